@@ -1,0 +1,371 @@
+"""Loss scaling: the state machines, `all_finite` and `select_tree`.
+
+Every loss scale is a frozen dataclass registered as a pytree whose fields are
+all array leaves of a fixed dtype (float32 scales and factors, int32 counters):
+no weak types, no Python scalars and no per-value static fields, so a jitted
+step that takes and returns a loss scale compiles once however the scale
+changes, and every field survives ``jit``, ``tree_map``, ``lax.scan`` and
+checkpointing (jmp drops ``min_loss_scale`` and keeps ``StaticLossScale``'s
+value in the treedef, which recompiles for each value).
+
+Values are checked and converted once, when the user constructs a loss scale;
+unflattening (inside ``jit``, after ``tree_map``) does not re-run the checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Optional, Sequence, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite import _struct
+
+T = TypeVar("T")
+AxisName = Union[str, Sequence[str], None]
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+class FlagError(ValueError, AssertionError):
+  """A predicate that is not a boolean scalar.
+
+  A ValueError, and also an AssertionError because jmp raises one there.
+  """
+
+
+def check_flag(flag: Any, what: str) -> jax.Array:
+  """Returns ``flag`` as a bool array, or raises if it is not a boolean scalar."""
+  if isinstance(flag, (bool, np.bool_)):
+    return jnp.asarray(flag)
+  dtype = getattr(flag, "dtype", None)
+  shape = getattr(flag, "shape", None)
+  if shape != () or dtype != jnp.bool_:
+    raise FlagError(
+        f"{what}: expected boolean scalar, got {type(flag).__name__} with "
+        f"shape={shape} dtype={dtype}: {flag!r}. Reduce it first, e.g. with "
+        "jmp_lite.all_finite(grads).")
+  return flag
+
+
+def _is_floating(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _wide(dtype) -> np.dtype:
+  """float32, or float64 for float64 inputs: where scaling arithmetic happens."""
+  return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _multiply(tree: T, factor: jax.Array) -> T:
+  """Multiplies floating leaves by a float32 ``factor``, keeping each leaf's dtype.
+
+  The product is formed in float32 (float64 for float64 leaves) and rounded
+  once: a scale of 2**16 is infinite in float16, so it must not be cast to the
+  leaf's dtype first.
+  """
+  def mul(x):
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+      return x * factor
+    if not _is_floating(x):
+      return x
+    wide = _wide(x.dtype)
+    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+
+  return jax.tree_util.tree_map(mul, tree)
+
+
+def _as_scalar(value: Any, dtype, name: str, *, warn_non_floating: bool = False):
+  """Converts a constructor argument to a scalar array of ``dtype``.
+
+  Returns the array and, when the value is known on the host, its value as a
+  Python number (None under tracing).
+  """
+  value_dtype = getattr(value, "dtype", None)
+  if value_dtype is None:
+    value_dtype = jax.eval_shape(lambda: value).dtype
+  if warn_non_floating and not jnp.issubdtype(value_dtype, jnp.floating):
+    warnings.warn(f"Expected floating type for {name}, got {value_dtype}")
+  shape = np.shape(value)
+  if shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {shape}: {value!r}")
+  if isinstance(value, jax.core.Tracer):
+    return value.astype(dtype), None
+  host = np.asarray(value)
+  if jnp.issubdtype(dtype, jnp.integer):
+    if not (np.isfinite(host) and float(host) == int(host)):
+      raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return jnp.asarray(int(host), dtype), int(host)
+  return jnp.asarray(host, dtype), float(host)
+
+
+def _check_positive_finite(value: Optional[float], name: str, *, allow_zero=False):
+  if value is None:
+    return
+  ok = np.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+  if not ok:
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale:
+  """No-op loss scale does nothing.
+
+  Example:
+    >>> import jmp_lite
+    >>> ls = jmp_lite.NoOpLossScale()
+    >>> ls.scale(2.0)
+    2.0
+  """
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    return jnp.ones((), jnp.float32)
+
+  def scale(self, tree: T) -> T:
+    return tree
+
+  def unscale(self, tree: T) -> T:
+    return tree
+
+  def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
+    check_flag(grads_finite, "NoOpLossScale.adjust(grads_finite)")
+    return self
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+  """Scales and unscales by a fixed constant.
+
+  Unlike jmp, the scale is a float32 array leaf rather than part of the
+  treedef, so changing its value does not recompile a jitted step.
+
+  Args:
+    loss_scale: a positive finite number.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite
+    >>> ls = jmp_lite.StaticLossScale(128.0)
+    >>> float(ls.unscale(ls.scale(jnp.float32(3.0))))
+    3.0
+  """
+
+  loss_scale: jax.Array
+
+  def __post_init__(self):
+    scale, host = _as_scalar(self.loss_scale, jnp.float32, "loss_scale")
+    _check_positive_finite(host, "StaticLossScale.loss_scale")
+    object.__setattr__(self, "loss_scale", scale)
+
+  def scale(self, tree: T) -> T:
+    return _multiply(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
+
+  def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
+    check_flag(grads_finite, "StaticLossScale.adjust(grads_finite)")
+    return self
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+  """Dynamic loss scale, with jmp's fields and semantics plus a cap and hysteresis.
+
+  Dynamic loss scaling looks for the largest scale that keeps gradients
+  finite: it grows the scale by ``factor`` after ``period`` consecutive finite
+  steps, and divides it by ``factor`` when gradients overflow. With
+  ``hysteresis=h`` (DeepSpeed, Megatron) the first ``h - 1`` consecutive
+  overflows leave the scale alone; they are still reported non-finite and the
+  caller still skips them. ``hysteresis=1`` (the default) is jmp::
+
+      loss_scale = 2 ** 15; counter = 0; left = hysteresis
+      for step in range(num_steps):
+        grads = unscale(grad(scale(loss)))
+        if all_finite(grads):
+          counter += 1; left = hysteresis
+          if counter == period:
+            counter = 0
+            if isfinite(loss_scale * factor):
+              loss_scale = min(loss_scale * factor, max_loss_scale)
+        else:
+          counter = 0; left = max(left - 1, 0)
+          if left == 0:
+            loss_scale = max(min_loss_scale, loss_scale / factor, tiny_f32)
+
+  The scale never reaches zero: below ``min_loss_scale`` (which may be 0 or
+  below 1, as in Flax) the smallest normal float32 is the floor.
+
+  Args:
+    loss_scale: initial scale, positive and finite (2**15 is common).
+    counter: finite steps since the last change (int32).
+    period: finite steps between growths (>= 1).
+    factor: growth and backoff factor (> 1).
+    min_loss_scale: floor (>= 0, default 1).
+    max_loss_scale: cap (default: the largest float32).
+    hysteresis: consecutive overflows tolerated before backing off (>= 1).
+    hysteresis_left: overflows left before the next backoff (internal state;
+      defaults to ``hysteresis``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite
+    >>> ls = jmp_lite.DynamicLossScale(jnp.float32(2 ** 15), period=2)
+    >>> ls = ls.adjust(jnp.bool_(False))
+    >>> float(ls.loss_scale)
+    16384.0
+    >>> ls = ls.adjust(jnp.bool_(True)).adjust(jnp.bool_(True))
+    >>> float(ls.loss_scale)
+    32768.0
+  """
+
+  loss_scale: jax.Array
+  counter: jax.Array = 0
+  period: jax.Array = 2000
+  factor: jax.Array = 2
+  min_loss_scale: jax.Array = 1.0
+  max_loss_scale: jax.Array = dataclasses.field(default=_F32_MAX, kw_only=True)
+  hysteresis: jax.Array = dataclasses.field(default=1, kw_only=True)
+  hysteresis_left: jax.Array = dataclasses.field(default=None, kw_only=True)
+
+  def __post_init__(self):
+    name = "DynamicLossScale"
+    scale, s = _as_scalar(self.loss_scale, jnp.float32, "loss_scale",
+                          warn_non_floating=True)
+    _check_positive_finite(s, f"{name}.loss_scale")
+    counter, c = _as_scalar(self.counter, jnp.int32, "counter")
+    if c is not None and c < 0:
+      raise ValueError(f"{name}.counter must be >= 0, got {self.counter!r}")
+    period, p = _as_scalar(self.period, jnp.int32, "period")
+    if p is not None and p < 1:
+      raise ValueError(f"{name}.period must be >= 1, got {self.period!r}")
+    factor, f = _as_scalar(self.factor, jnp.float32, "factor")
+    if f is not None and not (np.isfinite(f) and f > 1):
+      raise ValueError(f"{name}.factor must be finite and > 1, got {self.factor!r}")
+    min_scale, lo = _as_scalar(self.min_loss_scale, jnp.float32,
+                               "min_loss_scale", warn_non_floating=True)
+    _check_positive_finite(lo, f"{name}.min_loss_scale", allow_zero=True)
+    max_scale, hi = _as_scalar(self.max_loss_scale, jnp.float32, "max_loss_scale")
+    _check_positive_finite(hi, f"{name}.max_loss_scale")
+    if lo is not None and hi is not None and lo > hi:
+      raise ValueError(
+          f"{name}: min_loss_scale={lo} is larger than max_loss_scale={hi}")
+    hysteresis, h = _as_scalar(self.hysteresis, jnp.int32, "hysteresis")
+    if h is not None and h < 1:
+      raise ValueError(f"{name}.hysteresis must be >= 1, got {self.hysteresis!r}")
+    left = hysteresis if self.hysteresis_left is None else self.hysteresis_left
+    left, _ = _as_scalar(left, jnp.int32, "hysteresis_left")
+    for field, value in (("loss_scale", scale), ("counter", counter),
+                         ("period", period), ("factor", factor),
+                         ("min_loss_scale", min_scale),
+                         ("max_loss_scale", max_scale),
+                         ("hysteresis", hysteresis), ("hysteresis_left", left)):
+      object.__setattr__(self, field, value)
+
+  def scale(self, tree: T) -> T:
+    return _multiply(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
+
+  def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
+    """Returns the next state dependent on whether grads are finite."""
+    finite = check_flag(grads_finite, "DynamicLossScale.adjust(grads_finite)")
+    scale = self.loss_scale.astype(jnp.float32)
+    grown = scale * self.factor
+    grown = jnp.where(jnp.isfinite(grown),
+                      jnp.minimum(grown, self.max_loss_scale), scale)
+    grow_now = self.counter >= self.period - 1
+    left = jnp.maximum(self.hysteresis_left - 1, 0)
+    shrunk = jnp.maximum(jnp.maximum(self.min_loss_scale, scale / self.factor),
+                         jnp.float32(_F32_TINY))
+    new_scale = jnp.where(finite, jnp.where(grow_now, grown, scale),
+                          jnp.where(left == 0, shrunk, scale))
+    return _struct.replace_fields(
+        self,
+        loss_scale=new_scale,
+        counter=jnp.where(finite & ~grow_now, self.counter + 1, 0),
+        hysteresis_left=jnp.where(finite, self.hysteresis, left),
+    )
+
+
+for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+  _struct.register_state(_cls)
+
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+
+
+def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
+  """Returns a scalar bool: whether every floating leaf of ``tree`` is finite.
+
+  NaN, +inf and -inf in any floating dtype (float64 to float8) make it False;
+  integer and other non-floating leaves are ignored; an empty tree is True.
+
+  The common case costs one pass: the sum of a leaf is finite only if every
+  element is (NaN and inf propagate through addition), so one float32 sum per
+  leaf decides a clean step at the speed of a plain sum-reduce. Only when that
+  sum is not finite, which an overflow of large finite values can also cause,
+  does an exact check run (``sum(x * 0)``: NaN for any inf or NaN, 0
+  otherwise). The tempting ``max(abs(x)) < inf`` is wrong on XLA's CPU
+  backend, whose max ignores NaN.
+
+  Args:
+    tree: any pytree.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis name (or names) to
+      reduce the decision over, so that every replica agrees.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite
+    >>> bool(jmp_lite.all_finite({"a": jnp.ones(3), "b": jnp.array([jnp.nan])}))
+    False
+  """
+  leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_floating(x)]
+  if not leaves:
+    finite = jnp.array(True)
+  else:
+    def fast():
+      sums = [jnp.sum(x, dtype=_wide(x.dtype)).astype(jnp.float32) for x in leaves]
+      return jnp.isfinite(jnp.sum(jnp.stack(sums)))
+
+    def exact():
+      zeros = [jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32)
+               for x in leaves]
+      return jnp.isfinite(jnp.sum(jnp.stack(zeros)))
+
+    finite = jax.lax.cond(fast(), lambda: jnp.array(True), exact)
+  if axis_name is not None:
+    bad = jax.lax.psum((~finite).astype(jnp.int32), axis_name)
+    finite = bad == 0
+  return finite
+
+
+def select_tree(pred: jax.Array, a: T, b: T) -> T:
+  """Selects a pytree based on the given predicate: ``a`` if ``pred`` else ``b``.
+
+  Raises:
+    FlagError: (a ValueError) if ``pred`` is not a boolean scalar.
+    ValueError: if ``a`` and ``b`` differ in structure, or a leaf differs in
+      shape or dtype (the message names its path).
+  """
+  pred = check_flag(pred, "select_tree(pred)")
+  a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
+  b_leaves, b_def = jax.tree_util.tree_flatten(b)
+  if a_def != b_def:
+    raise ValueError(
+        f"select_tree: the two trees differ in structure:\n  a: {a_def}\n  b: {b_def}")
+  out = []
+  for (path, x), y in zip(a_leaves, b_leaves):
+    sx, sy = jax.eval_shape(lambda: x), jax.eval_shape(lambda: y)
+    if (sx.shape, sx.dtype) != (sy.shape, sy.dtype):
+      raise ValueError(
+          f"select_tree: leaf {jax.tree_util.keystr(path)} is "
+          f"{sx.dtype}{list(sx.shape)} in a but {sy.dtype}{list(sy.shape)} in b.")
+    out.append(jax.lax.select(pred, x, y))
+  return jax.tree_util.tree_unflatten(a_def, out)

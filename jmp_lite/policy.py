@@ -1,0 +1,379 @@
+"""Dtype policies: which dtype parameters are stored in, computed in and returned in.
+
+A `Policy` is a frozen, hashable value (usable as a static ``jit`` argument)
+with four dtypes:
+
+* ``param_dtype``: how parameters are stored (the "master copy").
+* ``compute_dtype``: what parameters and inputs are cast to for the forward pass.
+* ``output_dtype``: what results are cast to on the way out.
+* ``reduce_dtype``: what gradients are averaged across devices in (float32 by
+  default, whatever the compute dtype, so that an all-reduce never sums in
+  half precision).
+
+and an optional ``autocast_dtype``: when set, the policy asks for op-level
+autocasting (PyTorch/Paddle/MindSpore "O1": matrix multiplies in that dtype,
+everything else as written) instead of casting whole parameter trees.
+
+Casting touches floating leaves only (NumPy and JAX arrays, tracers included);
+integers, bools, PRNG keys, Python scalars, NumPy scalars and any non-array
+leaf pass through unchanged, as in jmp. 8-bit and smaller floating formats
+(float8/float4, used for quantised weights and their scales) are also left
+alone unless the target dtype is itself such a format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Optional, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+DTypeLike = Any
+
+
+def _canonical(dtype: DTypeLike, what: str) -> np.dtype:
+  """Returns ``dtype`` as a floating `np.dtype`, or raises naming ``what``."""
+  try:
+    dt = np.dtype(jnp.dtype(dtype))
+  except TypeError as e:
+    raise ValueError(f"{what}: {dtype!r} is not a dtype.") from e
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise ValueError(
+        f"{what} must be a floating dtype, got {dtype!r} ({dt.name}). A policy"
+        " casts floating-point values only; integer and bool leaves are never"
+        " cast.")
+  return dt
+
+
+def is_low_bit_float(dtype: DTypeLike) -> bool:
+  """Whether ``dtype`` is a floating format of 8 bits or fewer (fp8, fp4...)."""
+  dt = np.dtype(dtype)
+  return bool(jnp.issubdtype(dt, jnp.floating)) and jnp.finfo(dt).bits <= 8
+
+
+def _cast_floating_to(tree: T, dtype: DTypeLike) -> T:
+  dtype = np.dtype(dtype)
+  target_low_bit = is_low_bit_float(dtype)
+
+  def cast(x):
+    if not isinstance(x, (np.ndarray, jax.Array)):
+      return x
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+      return x
+    if is_low_bit_float(x.dtype) and not target_low_bit:
+      return x
+    return x.astype(dtype)
+
+  return jax.tree_util.tree_map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Encapsulates casting for inputs, outputs and parameters.
+
+  Args:
+    param_dtype: dtype parameters are stored in.
+    compute_dtype: dtype the forward pass runs in.
+    output_dtype: dtype results are returned in.
+    reduce_dtype: dtype gradients are averaged across devices in.
+    autocast_dtype: if set, op-level autocasting to this dtype is requested
+      (the "O1" level) and ``compute_dtype`` is what the other ops run in.
+
+  Raises:
+    ValueError: if any dtype is not a floating dtype.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite
+    >>> policy = jmp_lite.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> params = {"w": jnp.ones((2, 2)), "step": jnp.zeros((), jnp.int32)}
+    >>> jax.tree.map(lambda x: x.dtype.name, policy.cast_to_compute(params))
+    {'step': 'int32', 'w': 'bfloat16'}
+    >>> str(policy)
+    'p=f32,c=bf16,o=f32'
+  """
+
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+  reduce_dtype: np.dtype = np.dtype(np.float32)
+  autocast_dtype: Optional[np.dtype] = None
+
+  def __post_init__(self):
+    for field in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
+      object.__setattr__(
+          self, field, _canonical(getattr(self, field), f"Policy.{field}"))
+    if self.autocast_dtype is not None:
+      object.__setattr__(
+          self, "autocast_dtype",
+          _canonical(self.autocast_dtype, "Policy.autocast_dtype"))
+
+  def cast_to_param(self, x: T) -> T:
+    """Converts floating point values to the param dtype."""
+    return _cast_floating_to(x, self.param_dtype)
+
+  def cast_to_compute(self, x: T) -> T:
+    """Converts floating point values to the compute dtype."""
+    return _cast_floating_to(x, self.compute_dtype)
+
+  def cast_to_output(self, x: T) -> T:
+    """Converts floating point values to the output dtype."""
+    return _cast_floating_to(x, self.output_dtype)
+
+  def cast_to_reduce(self, x: T) -> T:
+    """Converts floating point values to the cross-device reduction dtype."""
+    return _cast_floating_to(x, self.reduce_dtype)
+
+  def with_param_dtype(self, param_dtype: DTypeLike) -> "Policy":
+    return dataclasses.replace(self, param_dtype=param_dtype)
+
+  def with_compute_dtype(self, compute_dtype: DTypeLike) -> "Policy":
+    return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+  def with_output_dtype(self, output_dtype: DTypeLike) -> "Policy":
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
+  def with_reduce_dtype(self, reduce_dtype: DTypeLike) -> "Policy":
+    return dataclasses.replace(self, reduce_dtype=reduce_dtype)
+
+  def with_autocast_dtype(self, autocast_dtype: Optional[DTypeLike]) -> "Policy":
+    return dataclasses.replace(self, autocast_dtype=autocast_dtype)
+
+  def __str__(self) -> str:
+    parts = [f"p={dtype_name(self.param_dtype)}",
+             f"c={dtype_name(self.compute_dtype)}",
+             f"o={dtype_name(self.output_dtype)}"]
+    if self.reduce_dtype != np.float32:
+      parts.append(f"r={dtype_name(self.reduce_dtype)}")
+    if self.autocast_dtype is not None:
+      parts.append(f"a={dtype_name(self.autocast_dtype)}")
+    return ",".join(parts)
+
+
+class _DtypeTable(Mapping):
+  """A read-only mapping keyed by dtype, that accepts any spelling of a dtype.
+
+  ``jnp.float32``, ``np.float32`` and ``np.dtype("float32")`` hash differently;
+  keys are normalised so all three find the same entry.
+  """
+
+  def __init__(self, table):
+    self._table = {np.dtype(k): v for k, v in table.items()}
+
+  def __getitem__(self, key):
+    try:
+      return self._table[np.dtype(key)]
+    except TypeError:
+      raise KeyError(key) from None
+
+  def __iter__(self):
+    return iter(self._table)
+
+  def __len__(self):
+    return len(self._table)
+
+
+# The first name of each dtype is what `str(policy)` prints.
+dtype_to_names = _DtypeTable({
+    jnp.bfloat16: ("bf16", "bfloat16"),
+    jnp.float16: ("f16", "float16"),
+    jnp.float32: ("f32", "float32", "full"),
+    jnp.float64: ("f64", "float64"),
+    jnp.float8_e4m3fn: ("f8e4m3", "float8_e4m3fn", "fp8_e4m3", "e4m3"),
+    jnp.float8_e5m2: ("f8e5m2", "float8_e5m2", "fp8_e5m2", "e5m2"),
+})
+
+name_to_dtype = {name: dtype for dtype, names in dtype_to_names.items()
+                 for name in names}
+
+
+def dtype_name(dtype: DTypeLike) -> str:
+  """The short name `get_policy` parses back to ``dtype``."""
+  dt = np.dtype(dtype)
+  return dtype_to_names[dt][0] if dt in dtype_to_names else dt.name
+
+
+def half_dtype() -> np.dtype:
+  """Returns jmp's half precision dtype: bfloat16 on TPU, float16 elsewhere.
+
+  Kept for compatibility with jmp. `preferred_half_dtype` is the better
+  default on current hardware.
+  """
+  on_tpu = jax.local_devices()[0].platform == "tpu"
+  return np.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
+
+
+def preferred_half_dtype() -> np.dtype:
+  """The 16-bit float that is fastest and safest on the default backend.
+
+  bfloat16 on TPUs, on CPUs (where float16 arithmetic is emulated, while
+  bfloat16 has native matrix units on recent x86 and ARM cores) and on GPUs of
+  compute capability 8.0 or newer; float16 on older GPUs, which lack bfloat16
+  arithmetic. Unlike float16, bfloat16 has float32's range, so it needs no loss
+  scaling.
+  """
+  device = jax.local_devices()[0]
+  if device.platform == "gpu":
+    capability = getattr(device, "compute_capability", None)
+    try:
+      major = int(str(capability).split(".")[0])
+    except ValueError:
+      major = 8  # ROCm and unknown devices: bfloat16 is supported.
+    if major < 8:
+      return np.dtype(jnp.float16)
+  return np.dtype(jnp.bfloat16)
+
+
+def parse_dtype(value: str) -> np.dtype:
+  """Parses a string representing a dtype into a dtype object.
+
+  Accepts the names in `dtype_to_names`, ``"half"`` (jmp's `half_dtype`) and
+  any NumPy floating dtype name, case-insensitively.
+
+  Raises:
+    ValueError: naming the unknown value and the accepted ones.
+  """
+  value = value.strip().lower()
+  if value == "half":
+    return half_dtype()
+  if value in name_to_dtype:
+    return np.dtype(name_to_dtype[value])
+  try:
+    dt = np.dtype(jnp.dtype(value))
+    if jnp.issubdtype(dt, jnp.floating):
+      return dt
+  except TypeError:
+    pass
+  raise ValueError(
+      f"Unknown dtype '{value}' must be full, half or one of "
+      f"{sorted(name_to_dtype)} (e.g. 'f32' for 'float32', 'bf16' for "
+      "'bfloat16').")
+
+
+_KEYS = {
+    "p": "param_dtype", "params": "param_dtype", "param": "param_dtype",
+    "c": "compute_dtype", "compute": "compute_dtype",
+    "o": "output_dtype", "output": "output_dtype",
+    "r": "reduce_dtype", "reduce": "reduce_dtype",
+    "a": "autocast_dtype", "autocast": "autocast_dtype",
+}
+
+
+def _preset(name: str) -> Optional[Policy]:
+  f32 = np.dtype(np.float32)
+  if name in ("o0", "o1", "o2", "o3"):
+    half = preferred_half_dtype()
+    return {
+        # Everything in float32.
+        "o0": Policy(f32, f32, f32),
+        # float32 everywhere, with op-level autocast of matmuls to half.
+        "o1": Policy(f32, f32, f32, autocast_dtype=half),
+        # float32 master parameters, half precision compute, float32 output.
+        "o2": Policy(f32, half, f32),
+        # Everything in half precision.
+        "o3": Policy(half, half, half),
+    }[name]
+  # Keras' mixed policies: float32 variables, compute and layer outputs in half.
+  if name == "mixed_bfloat16":
+    return Policy(f32, jnp.bfloat16, jnp.bfloat16)
+  if name == "mixed_float16":
+    return Policy(f32, jnp.float16, jnp.float16)
+  return None
+
+
+PRESETS = ("O0", "O1", "O2", "O3", "mixed_bfloat16", "mixed_float16")
+
+
+def get_policy(policy_name: str | Policy) -> Policy:
+  """Returns a mixed precision policy parsed from a string.
+
+  The grammar is jmp's, made tolerant of case and spaces and strict about
+  mistakes:
+
+  * a single dtype name sets all three dtypes: ``"bf16"``, ``"full"``,
+    ``"half"`` (jmp's `half_dtype`);
+  * comma-separated ``key=dtype`` pairs, keys ``params``/``p``,
+    ``compute``/``c``, ``output``/``o``, ``reduce``/``r`` and
+    ``autocast``/``a``. Params default to float32, compute follows params,
+    output follows compute, reduce is float32 (``"c=bf16"`` is
+    ``"p=f32,c=bf16,o=bf16"``). A key given twice is an error;
+  * a preset. ``half`` below is `preferred_half_dtype` (bfloat16 except on
+    GPUs older than Ampere):
+
+    =================  ==========================================  ===================
+    preset             policy                                      mirrors
+    =================  ==========================================  ===================
+    ``O0``             ``p=f32,c=f32,o=f32``                       Apex/MindSpore O0
+    ``O1``             ``p=f32,c=f32,o=f32,a=half`` (op autocast)  Apex/MindSpore O1
+    ``O2``             ``p=f32,c=half,o=f32``                      Apex/MindSpore O2
+    ``O3``             ``p=half,c=half,o=half``                    Apex/MindSpore O3
+    ``mixed_bfloat16`` ``p=f32,c=bf16,o=bf16``                     Keras
+    ``mixed_float16``  ``p=f32,c=f16,o=f16``                       Keras
+    =================  ==========================================  ===================
+
+  ``str(policy)`` parses back to an equal policy. A `Policy` is returned as is.
+
+  Raises:
+    ValueError: showing the offending token and the accepted ones.
+
+  Example:
+    >>> import jmp_lite
+    >>> str(jmp_lite.get_policy("Params = float32, Compute = BF16"))
+    'p=f32,c=bf16,o=bf16'
+  """
+  if isinstance(policy_name, Policy):
+    return policy_name
+  if not isinstance(policy_name, str):
+    raise TypeError(
+        f"get_policy expects a string or a Policy, got {policy_name!r}.")
+  name = "".join(policy_name.split()).lower()
+  if "=" not in name:
+    preset = _preset(name)
+    if preset is not None:
+      return preset
+    try:
+      dtype = parse_dtype(name)
+    except ValueError as e:
+      raise ValueError(
+          f"{e} Presets: {', '.join(PRESETS)}. Mixed policies are written "
+          "'params=float32,compute=bfloat16,output=float32'.") from None
+    return Policy(dtype, dtype, dtype)
+
+  given = {}
+  for part in name.split(","):
+    key, sep, value = part.partition("=")
+    if not sep or not key or not value or "=" in value:
+      raise ValueError(
+          f"Malformed token '{part}' in '{policy_name}': expected key=dtype.")
+    if key not in _KEYS:
+      raise ValueError(
+          f"Unknown key '{key}' in '{policy_name}' should be one of "
+          "'params' (p), 'compute' (c), 'output' (o), 'reduce' (r), "
+          "'autocast' (a).")
+    field = _KEYS[key]
+    if field in given:
+      raise ValueError(
+          f"Duplicate key '{key}' in '{policy_name}': {field} is given twice.")
+    given[field] = parse_dtype(value)
+  param = given.get("param_dtype", np.dtype(np.float32))
+  compute = given.get("compute_dtype", param)
+  output = given.get("output_dtype", compute)
+  return Policy(param, compute, output,
+                reduce_dtype=given.get("reduce_dtype", np.dtype(np.float32)),
+                autocast_dtype=given.get("autocast_dtype"))
+
+
+def cast_to_full(tree: T) -> T:
+  """Ensures floating point leaves of the given tree are f32."""
+  return _cast_floating_to(tree, jnp.float32)
+
+
+def cast_to_half(tree: T) -> T:
+  """Ensures floating point leaves of the given tree are `half_dtype`."""
+  return _cast_floating_to(tree, half_dtype())
