@@ -5,6 +5,7 @@ jmp 0.0.4), with loss scales that compile once, a one-pass `all_finite`, and
 integrations with Flax and optax in `jmp_lite.flax` and `jmp_lite.optax`.
 """
 
+from jmp_lite import optax
 from jmp_lite.loss_scale import all_finite
 from jmp_lite.loss_scale import DynamicLossScale
 from jmp_lite.loss_scale import LossScale
@@ -19,6 +20,9 @@ from jmp_lite.policy import half_dtype
 from jmp_lite.policy import parse_dtype
 from jmp_lite.policy import Policy
 from jmp_lite.policy import preferred_half_dtype
+from jmp_lite.training import StepInfo
+from jmp_lite.training import TrainState
+from jmp_lite.training import value_and_grad
 
 __version__ = "0.1.0"
 
@@ -37,4 +41,7 @@ __all__ = (
     "parse_dtype",
     "Policy",
     "preferred_half_dtype",
+    "StepInfo",
+    "TrainState",
+    "value_and_grad",
 )

@@ -1,0 +1,246 @@
+"""Training helpers: MindSpore-style `value_and_grad` and a mixed-precision `TrainState`.
+
+Two ways to write a step, from the same pieces:
+
+* by hand, as MindSpore and PyTorch's GradScaler do: `value_and_grad` scales
+  the loss, differentiates, unscales and checks finiteness; the caller adjusts
+  the loss scale and selects the update;
+* with optax: `TrainState` keeps the loss scale in its optimizer state (via
+  `jmp_lite.optax.with_loss_scale`) and `TrainState.minimize` is the whole
+  step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_lite import loss_scale as ls_lib
+from jmp_lite import optax as jo
+from jmp_lite.policy import Policy, get_policy
+
+ArgNums = Union[int, Sequence[int]]
+
+
+def _check_loss(loss: Any) -> None:
+  shape = getattr(loss, "shape", None)
+  dtype = getattr(loss, "dtype", None)
+  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        "The loss function must return a floating-point scalar (or (scalar, "
+        f"aux) with has_aux=True), got {type(loss).__name__} with shape={shape} "
+        f"dtype={dtype}. Reduce it with jnp.mean or jnp.sum.")
+
+
+def _scaled_value_and_grad(fun, argnums, has_aux, policy, loss_scale):
+  """``(value, grads of loss_scale.scale(loss))``, with the policy's casts."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+  def scaled(*args, **kwargs):
+    if policy is not None:
+      args = tuple(policy.cast_to_compute(a) if i in nums else a
+                   for i, a in enumerate(args))
+    out = fun(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"With has_aux=True the loss function must return (loss, aux), got {out!r}")
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    _check_loss(loss)
+    if policy is not None:
+      loss = loss.astype(jnp.float32)
+    return loss_scale.scale(loss), (loss, aux)
+
+  def wrapped(*args, **kwargs):
+    (_, (loss, aux)), grads = jax.value_and_grad(
+        scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return wrapped
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    argnums: ArgNums = 0,
+    has_aux: bool = False,
+    policy: Optional[Union[Policy, str]] = None,
+    axis_name: ls_lib.AxisName = None,
+) -> Callable[..., tuple[Any, Any, jax.Array]]:
+  """Like `jax.value_and_grad`, with loss scaling and a finiteness flag.
+
+  Returns a function with ``fun``'s arguments plus a keyword-only
+  ``loss_scale`` (default `jmp_lite.NoOpLossScale`), returning
+  ``(value, grads, grads_finite)``: ``value`` is ``fun``'s unscaled output,
+  ``grads`` the unscaled gradients in the dtype of the differentiated
+  arguments, ``grads_finite`` a scalar bool. The loss is scaled with the
+  scale passed in, and the gradients are unscaled with that same scale.
+
+  With ``policy``, the differentiated arguments are cast to its compute dtype
+  before ``fun`` sees them and the loss is returned in float32.
+
+  A complete jitted step, MindSpore's ``value_and_grad`` + ``all_finite`` +
+  ``DynamicLossScaler`` flow::
+
+    @jax.jit
+    def train_step(params, opt_state, loss_scale, batch):
+      loss, grads, finite = jmp_lite.value_and_grad(loss_fn, policy=policy)(
+          params, batch, loss_scale=loss_scale)
+      loss_scale = loss_scale.adjust(finite)
+      updates, new_opt_state = tx.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      params, opt_state = jmp_lite.select_tree(
+          finite, (new_params, new_opt_state), (params, opt_state))
+      return params, opt_state, loss_scale, loss
+
+  Args:
+    fun: the loss function; returns a scalar, or ``(scalar, aux)``.
+    argnums: which positional arguments to differentiate.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    policy: a `jmp_lite.Policy` or policy string.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis (or axes) over which
+      the finiteness flag is reduced, so that every replica agrees.
+
+  Raises:
+    TypeError: (when called) if ``fun`` does not return a floating scalar.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite
+    >>> f = lambda w: jnp.sum(w ** 2)
+    >>> loss, grads, finite = jmp_lite.value_and_grad(f, policy="p=f32,c=bf16")(
+    ...     jnp.ones(2), loss_scale=jmp_lite.StaticLossScale(1024.0))
+    >>> float(loss), grads.tolist(), bool(finite), loss.dtype.name, grads.dtype.name
+    (2.0, [2.0, 2.0], True, 'float32', 'float32')
+  """
+  if policy is not None:
+    policy = get_policy(policy)
+
+  def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(), **kwargs):
+    value, grads = _scaled_value_and_grad(
+        fun, argnums, has_aux, policy, loss_scale)(*args, **kwargs)
+    grads = loss_scale.unscale(grads)
+    return value, grads, ls_lib.all_finite(grads, axis_name=axis_name)
+
+  return functools.wraps(fun)(wrapped)
+
+
+class StepInfo(NamedTuple):
+  """What `TrainState.minimize` reports about the step it took."""
+
+  loss: jax.Array  # unscaled
+  aux: Any
+  skipped: jax.Array  # bool
+  loss_scale: jax.Array  # the scale this step's loss was scaled with
+  grad_norm: jax.Array  # global norm of the unscaled gradients
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """A Flax-style train state whose optimizer carries the loss scale.
+
+  Compatible with ``flax.training.train_state.TrainState`` conventions
+  (``step``, ``apply_fn``, ``params``, ``tx``, ``opt_state``, ``create``,
+  ``apply_gradients``); ``tx`` is wrapped in `jmp_lite.optax.with_loss_scale`
+  by `create`, so the loss scale, skip counters and the optimizer checkpoint
+  together. ``step`` counts calls (batches consumed), skipped ones included;
+  the optimizer's own counters count applied steps.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jmp_lite
+    >>> state = jmp_lite.TrainState.create(
+    ...     apply_fn=lambda p, x: x @ p["w"], params={"w": jnp.ones((3, 1))},
+    ...     tx=optax.sgd(0.1), loss_scale=jmp_lite.DynamicLossScale(2.0 ** 15),
+    ...     policy="p=f32,c=bf16,o=f32")
+    >>> @jax.jit
+    ... def train_step(state, x, y):
+    ...   def loss_fn(params):  # params arrive in bfloat16
+    ...     pred = state.apply_fn(params, state.policy.cast_to_compute(x))
+    ...     pred = state.policy.cast_to_output(pred)[:, 0]
+    ...     return jnp.mean((pred - y) ** 2)
+    ...   return state.minimize(loss_fn)
+    >>> state, info = train_step(state, jnp.ones((4, 3)), jnp.zeros(4))
+    >>> int(state.step), bool(info.skipped), state.params["w"].dtype.name
+    (1, False, 'float32')
+  """
+
+  step: jax.Array
+  apply_fn: Callable[..., Any] = flax.struct.field(pytree_node=False)
+  params: Any = flax.struct.field(pytree_node=True)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  opt_state: optax.OptState = flax.struct.field(pytree_node=True)
+  policy: Optional[Policy] = flax.struct.field(pytree_node=False, default=None)
+
+  @classmethod
+  def create(cls, *, apply_fn, params, tx, loss_scale=None, policy=None,
+             clip_norm=None, accumulate_steps=1, **kwargs) -> "TrainState":
+    """Creates a state: params cast to the policy's param dtype, ``tx`` wrapped.
+
+    Args:
+      apply_fn: the model's apply function (kept for the user's loss function).
+      params: the parameters.
+      tx: the optimizer.
+      loss_scale: initial loss scale (default `jmp_lite.NoOpLossScale`).
+      policy: optional policy; ``minimize`` casts params to its compute dtype.
+      clip_norm: passed to `jmp_lite.optax.with_loss_scale`.
+      accumulate_steps: passed to `jmp_lite.optax.with_loss_scale`.
+      **kwargs: further fields of a subclass.
+    """
+    policy = get_policy(policy) if policy is not None else None
+    if policy is not None:
+      params = policy.cast_to_param(params)
+    if loss_scale is None:
+      loss_scale = ls_lib.NoOpLossScale()
+    tx = jo.with_loss_scale(tx, loss_scale,
+                            clip_norm=clip_norm, accumulate_steps=accumulate_steps)
+    return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params,
+               tx=tx, opt_state=tx.init(params), policy=policy, **kwargs)
+
+  @property
+  def loss_scale(self) -> ls_lib.LossScale:
+    """The loss scale to scale the next loss with."""
+    return jo.get_loss_scale(self.opt_state)
+
+  @property
+  def loss_scale_state(self) -> jo.LossScaleState:
+    return jo.find_loss_scale_state(self.opt_state)
+
+  def apply_gradients(self, *, grads, **kwargs) -> "TrainState":
+    """Applies the gradients of ``self.loss_scale.scale(loss)`` (still scaled).
+
+    Unscaling, the finiteness check, clipping and skipping happen in ``tx``.
+    """
+    updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+    return self.replace(step=self.step + 1,
+                        params=optax.apply_updates(self.params, updates),
+                        opt_state=opt_state, **kwargs)
+
+  def minimize(self, loss_fn: Callable[..., Any], *args, has_aux: bool = False,
+               **kwargs) -> tuple["TrainState", StepInfo]:
+    """One whole step: scaled loss, gradients, skip-or-update, scale adjust.
+
+    Args:
+      loss_fn: called as ``loss_fn(params, *args, **kwargs)``; returns a
+        scalar loss, or ``(loss, aux)`` with ``has_aux=True``.
+      *args: further arguments of ``loss_fn`` (not differentiated).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      **kwargs: keyword arguments of ``loss_fn``.
+
+    Returns:
+      The new state and a `StepInfo`.
+    """
+    value, grads = _scaled_value_and_grad(
+        loss_fn, 0, has_aux, self.policy, self.loss_scale)(self.params, *args, **kwargs)
+    loss, aux = value if has_aux else (value, None)
+    used_scale = self.loss_scale.loss_scale
+    new = self.apply_gradients(grads=grads)
+    info = new.loss_scale_state
+    return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,
+                         loss_scale=used_scale, grad_norm=info.grad_norm)

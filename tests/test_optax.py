@@ -1,0 +1,273 @@
+"""Tests of jmp_lite.optax: with_loss_scale, get_loss_scale, accumulation, clipping."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite import optax as jo
+
+
+def standard_promotion(test):
+  """Runs ``test`` under standard promotion: optax's Adam computes
+  ``b1 ** count`` (a Python float to an int32 power), which strict promotion
+  rejects. jmp_lite's own code is checked strictly by the other tests."""
+  @functools.wraps(test)
+  def run(*args, **kwargs):
+    with jax.numpy_dtype_promotion("standard"):
+      return test(*args, **kwargs)
+  return run
+
+
+JIT = pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+
+
+def _maybe_jit(f, jit):
+  return jax.jit(f) if jit else f
+
+
+def _bits(tree):
+  """Leaves as raw bytes: equality is bitwise (-0.0 != +0.0, NaN == NaN)."""
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _reference_sgd(xs, poisoned, *, lr, scale, period, factor, min_scale, w0):
+  """Plain-Python dynamic loss scaling with SGD, for loss = sum(w * x)."""
+  w = np.array(w0, np.float32)
+  counter, skipped, trajectory = 0, 0, []
+  for x, bad in zip(xs, poisoned):
+    trajectory.append(scale)
+    if bad:  # the scaled gradient overflows
+      skipped += 1
+      counter = 0
+      scale = max(min_scale, scale / factor)
+    else:
+      w = w + np.float32(-lr) * x  # optax.sgd: updates = -lr * g, then p + u
+      counter += 1
+      if counter == period:
+        counter = 0
+        scale = scale * factor
+    trajectory[-1] = (trajectory[-1], w.copy())
+  return trajectory, skipped, scale
+
+
+@JIT
+def test_matches_plain_python_dynamic_loss_scaling_over_long_overflow_pattern(jit):
+  rng = np.random.default_rng(0)
+  n, dim, lr = (300 if jit else 40), 5, 0.01
+  xs = rng.standard_normal((n, dim)).astype(np.float32)
+  poisoned = rng.random(n) < 0.2
+  poisoned[15:35] = True  # a long run of overflows hits the floor
+  for i in np.flatnonzero(poisoned):
+    xs[i, rng.integers(dim)] = [np.inf, -np.inf, np.nan][i % 3]
+  w0 = np.ones(dim, np.float32)
+  tx = jo.with_loss_scale(
+      optax.sgd(lr), jmp_lite.DynamicLossScale(2.0 ** 10, period=7, min_loss_scale=0.5))
+  params = {"w": jnp.asarray(w0)}
+  opt_state = tx.init(params)
+
+  def step(params, opt_state, x):
+    scale = jo.get_loss_scale(opt_state)
+    grads = jax.grad(lambda p: scale.scale(jnp.sum(p["w"] * x)))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  step = _maybe_jit(step, jit)
+  expected, skipped, final_scale = _reference_sgd(
+      xs, poisoned, lr=lr, scale=2.0 ** 10, period=7, factor=2, min_scale=0.5, w0=w0)
+  for x, (scale, w) in zip(xs, expected):
+    assert float(jo.get_loss_scale(opt_state).loss_scale) == scale
+    params, opt_state = step(params, opt_state, jnp.asarray(x))
+    np.testing.assert_array_equal(params["w"], w)
+  state = jo.find_loss_scale_state(opt_state)
+  assert int(state.skipped_steps) == skipped == poisoned.sum()
+  assert float(state.loss_scale.loss_scale) == final_scale
+  if jit:
+    assert step._cache_size() == 1
+
+
+def _adam_with_schedule():
+  # optax's own schedules mix int32 counts and Python floats, which strict
+  # promotion rejects; this one is explicit.
+  schedule = lambda count: 1e-2 / (1.0 + count.astype(jnp.float32))
+  return optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(schedule),
+                     optax.scale(-1.0))
+
+
+@JIT
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@standard_promotion
+def test_skip_freezes_the_whole_inner_state_and_params_bitwise(jit, bad):
+  params = {"w": jnp.array([1.0, -0.0, 0.0, 3.0]), "b": jnp.zeros((2,), jnp.bfloat16)}
+  tx = jo.with_loss_scale(_adam_with_schedule(), jmp_lite.DynamicLossScale(2.0 ** 8))
+  opt_state = tx.init(params)
+  update = _maybe_jit(tx.update, jit)
+  good = {"w": jnp.ones(4) * 256, "b": jnp.ones(2, jnp.bfloat16) * 256}
+  updates, opt_state = update(good, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  before = (params, jo.find_loss_scale_state(opt_state).inner_state)
+  poisoned = {"w": good["w"].at[2].set(bad), "b": good["b"]}
+  updates, opt_state2 = update(poisoned, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  assert _bits(new_params) == _bits(params)
+  assert _bits(jo.find_loss_scale_state(opt_state2).inner_state) == _bits(before[1])
+  state = jo.find_loss_scale_state(opt_state2)
+  assert bool(state.skipped) and int(state.skipped_steps) == 1
+  assert float(state.loss_scale.loss_scale) == 2.0 ** 7
+  # Schedule count and Adam's count advanced once only (the good step).
+  counts = [x for x in jax.tree.leaves(state.inner_state) if x.dtype == jnp.int32]
+  assert counts and all(int(c) == 1 for c in counts)
+
+
+def test_skip_preserves_negative_zero_params():
+  params = {"w": jnp.array([-0.0, 0.0])}
+  tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
+  opt_state = tx.init(params)
+  updates, _ = tx.update({"w": jnp.array([jnp.nan, 1.0])}, opt_state, params)
+  assert _bits(optax.apply_updates(params, updates)) == _bits(params)
+
+
+@standard_promotion
+def test_never_applies_non_finite_updates_even_after_many_consecutive_overflows():
+  params = {"w": jnp.arange(4.0)}
+  # optax.apply_if_finite gives up after max_consecutive_errors; we never do.
+  tx = jo.with_loss_scale(optax.adam(0.1), jmp_lite.DynamicLossScale(2.0 ** 15, period=3))
+  opt_state = tx.init(params)
+  step = jax.jit(tx.update)
+  for _ in range(60):
+    updates, opt_state = step({"w": jnp.full((4,), jnp.inf, jnp.float32)}, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(params["w"], jnp.arange(4.0))
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(opt_state))
+  state = jo.find_loss_scale_state(opt_state)
+  assert int(state.skipped_steps) == 60 and float(state.loss_scale.loss_scale) == 1.0
+  for _ in range(6):  # recovers: grows every `period` clean steps
+    updates, opt_state = step({"w": jnp.ones(4)}, opt_state, params)
+  assert float(jo.get_loss_scale(opt_state).loss_scale) == 4.0
+  assert step._cache_size() == 1
+
+
+@JIT
+def test_clipping_sees_unscaled_gradients(jit):
+  rng = np.random.default_rng(1)
+  true = {"a": jnp.asarray(rng.standard_normal((7, 3)), jnp.float32),
+          "b": jnp.asarray(rng.standard_normal(5) * 10, jnp.float32)}
+  scale = 2.0 ** 12
+  scaled = jax.tree.map(lambda g: g * scale, true)
+  params = jax.tree.map(jnp.zeros_like, true)
+  tx = jo.with_loss_scale(optax.sgd(1.0), jmp_lite.StaticLossScale(scale), clip_norm=1.5)
+  updates, state = _maybe_jit(tx.update, jit)(scaled, tx.init(params), params)
+  ref_tx = optax.chain(optax.clip_by_global_norm(1.5), optax.sgd(1.0))
+  ref, _ = ref_tx.update(true, ref_tx.init(params), params)
+  for u, r in zip(jax.tree.leaves(updates), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(u, r, rtol=2e-6)
+  np.testing.assert_allclose(optax.tree.norm(updates), 1.5, rtol=1e-6)
+  np.testing.assert_allclose(jo.find_loss_scale_state(state).grad_norm,
+                             optax.tree.norm(true), rtol=1e-6)
+
+
+def test_huge_finite_gradients_are_not_mistaken_for_overflow():
+  # The squares overflow float32, the values do not: the exact fallback decides.
+  grads = {"w": jnp.full((4,), 1e30, jnp.float32)}
+  tx = jo.with_loss_scale(optax.sgd(1.0), jmp_lite.NoOpLossScale(), clip_norm=1.0)
+  updates, state = tx.update(grads, tx.init(grads), grads)
+  state = jo.find_loss_scale_state(state)
+  assert not bool(state.skipped)
+  np.testing.assert_allclose(state.grad_norm, 2e30, rtol=1e-6)
+  np.testing.assert_allclose(updates["w"], -0.5, rtol=1e-6)
+
+
+def test_updates_come_back_in_param_dtype():
+  params = {"w": jnp.ones(3, jnp.float32)}
+  grads = {"w": jnp.ones(3, jnp.bfloat16)}
+  tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.StaticLossScale(2.0))
+  updates, state = tx.update(grads, tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32
+  assert jax.tree.map(lambda x: x.dtype, state) == jax.tree.map(
+      lambda x: x.dtype, tx.init(params))
+
+
+@JIT
+def test_accumulation_skips_the_whole_step_when_any_micro_batch_overflows(jit):
+  k, lr = 3, 0.1
+  params = {"w": jnp.zeros(2)}
+  tx = jo.with_loss_scale(optax.sgd(lr), jmp_lite.DynamicLossScale(2.0 ** 4), accumulate_steps=k)
+  opt_state = tx.init(params)
+  update = _maybe_jit(tx.update, jit)
+  micro = [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 0.0]), jnp.array([3.0, 4.0]),
+           jnp.array([1.0, 1.0]), jnp.array([2.0, 2.0]), jnp.array([6.0, 0.0])]
+  applied = []
+  for i, g in enumerate(micro):
+    scale = jo.get_loss_scale(opt_state).loss_scale
+    # The scale is fixed within an accumulation; it changes after the skip.
+    assert float(scale) == (2.0 ** 4 if i < 3 else 2.0 ** 3)
+    updates, opt_state = update({"w": g * scale}, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    applied.append(np.asarray(updates["w"]))
+    state = jo.find_loss_scale_state(opt_state)
+    assert int(state.mini_step) == (i + 1) % k
+  for i in (0, 1, 2, 3, 4):
+    assert not np.any(applied[i]), i  # zero updates until a step completes
+  np.testing.assert_allclose(applied[5], -lr * np.array([3.0, 1.0]), rtol=1e-6)
+  state = jo.find_loss_scale_state(opt_state)
+  assert int(state.skipped_steps) == 1 and not bool(state.skipped)
+  # The accumulator was reset with fresh zeros: no NaN carried over.
+  assert all(bool(jnp.all(a == 0)) for a in jax.tree.leaves(state.acc_grads))
+
+
+def test_composes_with_inject_hyperparams_and_chain():
+  params = {"w": jnp.ones(3)}
+  tx = optax.inject_hyperparams(
+      lambda learning_rate: jo.with_loss_scale(optax.sgd(learning_rate),
+                                               jmp_lite.DynamicLossScale(8.0)))(
+                                                   learning_rate=0.5)
+  tx = optax.chain(optax.identity(), tx)
+  opt_state = tx.init(params)
+  assert float(jo.get_loss_scale(opt_state).loss_scale) == 8.0
+  updates, opt_state = jax.jit(tx.update)({"w": jnp.ones(3) * 8.0}, opt_state, params)
+  np.testing.assert_allclose(updates["w"], -0.5)
+  opt_state[1].hyperparams["learning_rate"] = jnp.asarray(0.25)
+  updates, _ = jax.jit(tx.update)({"w": jnp.ones(3) * 8.0}, opt_state, params)
+  np.testing.assert_allclose(updates["w"], -0.25)
+
+
+def test_extra_args_reach_the_inner_transformation():
+  seen = {}
+
+  def init(params):
+    del params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None, *, value=None):
+    del params
+    seen["value"] = value
+    return updates, state
+
+  inner = optax.GradientTransformationExtraArgs(init, update)
+  tx = jo.with_loss_scale(inner, jmp_lite.NoOpLossScale())
+  tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), value=3.0)
+  assert seen["value"] == 3.0
+
+
+def test_get_loss_scale_errors():
+  with pytest.raises(ValueError, match="found 0"):
+    jo.get_loss_scale(optax.sgd(0.1).init({"w": jnp.ones(1)}))
+  tx = optax.chain(jo.with_loss_scale(optax.sgd(0.1), jmp_lite.NoOpLossScale()),
+                   jo.with_loss_scale(optax.sgd(0.1), jmp_lite.NoOpLossScale()))
+  with pytest.raises(ValueError, match="found 2"):
+    jo.get_loss_scale(tx.init({"w": jnp.ones(1)}))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(loss_scale=2.0), "loss_scale must be a jmp_lite loss scale, got 2.0"),
+    (dict(loss_scale=jmp_lite.NoOpLossScale(), clip_norm=0.0), "clip_norm must be > 0, got 0.0"),
+    (dict(loss_scale=jmp_lite.NoOpLossScale(), accumulate_steps=0), "got 0"),
+    (dict(loss_scale=jmp_lite.NoOpLossScale(), accumulate_steps=1.5), "got 1.5"),
+])
+def test_bad_arguments(kwargs, match):
+  with pytest.raises((TypeError, ValueError), match=match):
+    jo.with_loss_scale(optax.sgd(0.1), **kwargs)

@@ -1,0 +1,207 @@
+"""Tests of jmp_lite.training: value_and_grad, TrainState, checkpoint resume."""
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jmp_lite
+
+
+def standard_promotion(test):
+  """Runs ``test`` under standard promotion: optax's Adam computes
+  ``b1 ** count`` (a Python float to an int32 power), which strict promotion
+  rejects. jmp_lite's own code is checked strictly by the other tests."""
+  @functools.wraps(test)
+  def run(*args, **kwargs):
+    with jax.numpy_dtype_promotion("standard"):
+      return test(*args, **kwargs)
+  return run
+
+
+JIT = pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+
+
+def _maybe_jit(f, jit):
+  return jax.jit(f) if jit else f
+
+
+def _loss(params, x):
+  h = jnp.tanh(x @ params["w1"])
+  return jnp.mean((h @ params["w2"]) ** 2)
+
+
+def _params():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"w1": jax.random.normal(k1, (4, 8)), "w2": jax.random.normal(k2, (8, 2))}
+
+
+@JIT
+@pytest.mark.parametrize("loss_scale", [jmp_lite.NoOpLossScale(), jmp_lite.StaticLossScale(2.0 ** 10),
+                                        jmp_lite.DynamicLossScale(2.0 ** 15)])
+def test_value_and_grad_unscales_with_the_scale_used(jit, loss_scale):
+  params, x = _params(), jnp.ones((3, 4))
+  f = _maybe_jit(lambda p, x, ls: jmp_lite.value_and_grad(_loss)(p, x, loss_scale=ls), jit)
+  loss, grads, finite = f(params, x, loss_scale)
+  ref_loss, ref_grads = _maybe_jit(jax.value_and_grad(_loss), jit)(params, x)
+  assert loss.dtype == jnp.float32 and finite.dtype == jnp.bool_ and finite.shape == ()
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    # Power-of-two scales are exact: only XLA's fusion choices may differ.
+    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+  assert bool(finite)
+
+
+def test_value_and_grad_with_policy_computes_in_compute_dtype():
+  seen = {}
+
+  def loss_fn(params, x):
+    seen["dtypes"] = jax.tree.map(lambda p: p.dtype, params)
+    y = x.astype(jnp.bfloat16) @ params["w1"]
+    return jnp.sum(y)  # a bf16 loss: returned as f32
+
+  params = _params()
+  (loss, aux), grads, finite = jmp_lite.value_and_grad(
+      lambda p, x: (loss_fn(p, x), 7), has_aux=True, policy="p=f32,c=bf16,o=f32")(
+          params, jnp.ones((2, 4)), loss_scale=jmp_lite.StaticLossScale(64.0))
+  assert seen["dtypes"] == {"w1": jnp.bfloat16, "w2": jnp.bfloat16}
+  assert loss.dtype == jnp.float32 and aux == 7
+  assert jax.tree.map(lambda g: g.dtype, grads) == {"w1": jnp.float32, "w2": jnp.float32}
+  np.testing.assert_array_equal(grads["w1"], np.full((4, 8), 2.0, np.float32))
+  assert bool(finite)
+
+
+def test_value_and_grad_argnums_and_non_finite_flag():
+  f = lambda a, b: jnp.sum(a * b)
+  _, grads, finite = jmp_lite.value_and_grad(f, argnums=(0, 1))(
+      jnp.array([1.0, jnp.inf]), jnp.array([2.0, 3.0]), loss_scale=jmp_lite.StaticLossScale(4.0))
+  assert isinstance(grads, tuple) and len(grads) == 2
+  assert not bool(finite)
+
+
+@pytest.mark.parametrize("bad", [jnp.ones(3), jnp.ones((), jnp.int32)])
+def test_value_and_grad_rejects_non_scalar_loss(bad):
+  with pytest.raises(TypeError, match="floating-point scalar.*shape=\\(3,\\)|dtype=int32"):
+    jmp_lite.value_and_grad(lambda p: bad * 1)(jnp.ones(3))
+
+
+def test_mindspore_flow_matches_reference_and_compiles_once():
+  """The docstring's hand-written step, with overflows injected."""
+  tx = optax.sgd(0.1)
+  params = {"w": jnp.ones(3)}
+  opt_state = tx.init(params)
+  loss_scale = jmp_lite.DynamicLossScale(2.0 ** 4, period=2)
+
+  @jax.jit
+  def train_step(params, opt_state, loss_scale, x):
+    loss, grads, finite = jmp_lite.value_and_grad(lambda p: jnp.sum(p["w"] * x))(
+        params, loss_scale=loss_scale)
+    loss_scale = loss_scale.adjust(finite)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp_lite.select_tree(
+        finite, (new_params, new_opt_state), (params, opt_state))
+    return params, opt_state, loss_scale, loss
+
+  w, scale, counter = np.ones(3, np.float32), 2.0 ** 4, 0
+  for i in range(20):
+    x = np.array([1.0, 2.0, 3.0], np.float32) * (np.inf if i % 5 == 3 else 1.0)
+    params, opt_state, loss_scale, _ = train_step(params, opt_state, loss_scale, x)
+    if i % 5 == 3:
+      scale, counter = max(1.0, scale / 2), 0
+    else:
+      w = w + np.float32(-0.1) * x
+      counter += 1
+      if counter == 2:
+        scale, counter = scale * 2, 0
+    # XLA may fuse `w - lr * g` into one fused multiply-add: 1 ulp apart.
+    np.testing.assert_array_max_ulp(params["w"], w, maxulp=1)
+    assert float(loss_scale.loss_scale) == scale
+  assert train_step._cache_size() == 1
+
+
+def _state(loss_scale=None, policy=None, tx=None):
+  return jmp_lite.TrainState.create(
+      apply_fn=None, params=_params(), tx=tx or optax.adamw(1e-2),
+      loss_scale=loss_scale or jmp_lite.DynamicLossScale(2.0 ** 15, period=4),
+      policy=policy)
+
+
+def _train_step(state, x, poison):
+  def loss_fn(params):
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return _loss(params, x) * poison
+  return state.minimize(loss_fn)
+
+
+@JIT
+@standard_promotion
+def test_train_state_minimize_skips_and_counts(jit):
+  state = _state(policy="p=f32,c=bf16,o=f32")
+  step = _maybe_jit(_train_step, jit)
+  x = jnp.ones((3, 4))
+  state, info = step(state, x, jnp.float32(1.0))
+  assert not bool(info.skipped) and float(info.loss_scale) == 2.0 ** 15
+  before = state
+  state, info = step(state, x, jnp.float32(jnp.inf))
+  assert bool(info.skipped)
+  assert int(state.step) == 2 and int(state.loss_scale_state.skipped_steps) == 1
+  assert all(bool(jnp.array_equal(a, b)) for a, b in
+             zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params)))
+  assert float(state.loss_scale.loss_scale) == 2.0 ** 14
+  assert jax.tree.map(lambda p: p.dtype, state.params) == {"w1": jnp.float32, "w2": jnp.float32}
+  if jit:
+    assert step._cache_size() == 1
+
+
+def test_train_state_apply_gradients_takes_scaled_gradients():
+  state = _state(loss_scale=jmp_lite.StaticLossScale(8.0), tx=optax.sgd(1.0))
+  scaled = jax.tree.map(lambda p: jnp.ones_like(p) * 8.0, state.params)
+  new = state.apply_gradients(grads=scaled)
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(a, b - 1.0)
+
+
+def _run(state, n, start=0):
+  step = jax.jit(_train_step)
+  rng = np.random.default_rng(123)
+  xs = rng.standard_normal((40, 3, 4)).astype(np.float32)
+  for i in range(start, start + n):
+    poison = np.float32(np.inf if i % 7 == 5 else 1.0)
+    state, _ = step(state, jnp.asarray(xs[i]), poison)
+  return state
+
+
+@standard_promotion
+def test_checkpoint_resume_is_bit_exact_in_a_fresh_process(tmp_path):
+  straight = _run(_state(), 20)
+  half = _run(_state(), 10)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "half", half)
+  ckpt.wait_until_finished()
+  script = textwrap.dedent(f"""
+      import sys
+      sys.path.insert(0, {os.path.dirname(__file__)!r})
+      import jax, numpy as np, orbax.checkpoint as ocp
+      import test_training as t
+      like = jax.tree.map(ocp.utils.to_shape_dtype_struct, t._state())
+      state = ocp.StandardCheckpointer().restore({str(tmp_path / 'half')!r}, like)
+      state = t._run(state, 10, start=10)
+      np.savez({str(tmp_path / 'out.npz')!r}, *jax.tree.leaves(state))
+  """)
+  subprocess.run([sys.executable, "-c", script], check=True)
+  resumed = np.load(tmp_path / "out.npz")
+  leaves = jax.tree.leaves(straight)
+  assert len(resumed.files) == len(leaves)
+  for i, leaf in enumerate(leaves):
+    np.testing.assert_array_equal(resumed[f"arr_{i}"], np.asarray(leaf))
+    assert resumed[f"arr_{i}"].dtype == np.asarray(leaf).dtype
+  assert int(straight.loss_scale_state.skipped_steps) == 3
