@@ -108,6 +108,7 @@ def with_loss_scale(
     *,
     clip_norm: Optional[float] = None,
     accumulate_steps: int = 1,
+    axis_name: ls_lib.AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that it receives unscaled gradients and skips bad steps.
 
@@ -124,6 +125,11 @@ def with_loss_scale(
       the norm computed in the same pass as the finiteness check.
     accumulate_steps: number of micro-batches whose gradients are summed
       (averaged) into one step. Updates are zero on the other calls.
+    axis_name: under ``shard_map``/``pmap``, the mesh axis (or axes) across
+      which replicas must agree to skip: one replica's overflow skips the
+      step everywhere. Not needed under ``jax.jit`` with sharded arrays, where
+      the check is already global. The norm used for clipping is that of the
+      gradients each replica holds (reduce them across devices first).
 
   Returns:
     A `optax.GradientTransformationExtraArgs` whose state is `LossScaleState`.
@@ -176,6 +182,8 @@ def with_loss_scale(
 
   def step(grads, state, params, inv_scale, extra_args):
     norm, finite = _global_norm_and_finite(grads, inv_scale)
+    if axis_name is not None:
+      finite = jax.lax.psum((~finite).astype(jnp.int32), axis_name) == 0
     factor = inv_scale
     if clip_norm is not None:
       factor = inv_scale * jnp.minimum(1.0, clip_norm / jnp.where(finite, norm, 1.0))
