@@ -1,4 +1,5 @@
-"""Loss scaling as one optax transformation that skips a bad step atomically.
+"""optax transformations: loss scaling that skips a bad step atomically, and
+(re-exported from `jmp_lite.rounding`) updates for low-precision parameters.
 
 `with_loss_scale(inner, loss_scale)` wraps any optax optimizer. Its state
 holds the loss scale next to the whole inner state, so one ``update`` call
@@ -45,6 +46,11 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite import loss_scale as ls_lib
+from jmp_lite.rounding import KahanState
+from jmp_lite.rounding import StochasticRoundState
+from jmp_lite.rounding import kahan_summation
+from jmp_lite.rounding import stochastic_round
+from jmp_lite.rounding import with_state_dtype
 
 
 class LossScaleState(NamedTuple):

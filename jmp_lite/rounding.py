@@ -1,0 +1,246 @@
+"""Training with low-precision parameters and no float32 master copy.
+
+Adding a small update to a bfloat16 parameter rounds it away: bfloat16 keeps 8
+bits of mantissa, so ``1 + 1e-3`` is ``1``. Mixed precision avoids that with a
+float32 master copy of the parameters (4 bytes each, plus float32 optimizer
+moments). These transformations let parameters live in bfloat16 (or float16)
+and still follow the float32 trajectory, with the standard
+``optax.apply_updates``:
+
+* `stochastic_round` rounds ``param + update`` up or down at random, with the
+  probability that makes the result exact in expectation;
+* `kahan_summation` keeps what rounding lost in a small compensation buffer
+  and adds it back on the next step;
+* `with_state_dtype` stores an optimizer's moments in a chosen dtype while
+  computing each update in float32.
+
+Both rounding transforms go last in a chain. They emit float32 updates equal to
+``new_param - param``, a difference of two representable values that float32
+holds exactly, so ``optax.apply_updates`` (``(p + u).astype(p.dtype)``) lands
+exactly on ``new_param``. Adding a float32 update to a bfloat16 parameter uses
+JAX's standard dtype promotion; under ``jax_numpy_dtype_promotion="strict"``
+call ``apply_updates`` inside ``jax.numpy_dtype_promotion("standard")``.
+Float32 (and wider) parameters pass through unchanged.
+
+A pure-bfloat16 recipe (params, compute and moments in bfloat16)::
+
+  policy = jmp_lite.get_policy("params=bfloat16,compute=bfloat16,output=float32")
+  tx = jmp_lite.optax.with_loss_scale(
+      optax.chain(
+          jmp_lite.optax.with_state_dtype(optax.adam(1e-3), jnp.bfloat16),
+          jmp_lite.optax.stochastic_round(jax.random.key(0)),  # or kahan_summation()
+      ),
+      jmp_lite.NoOpLossScale())
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite.policy import DTypeLike
+
+
+def _is_low(p: Any) -> bool:
+  return jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
+
+
+def _check_params(params: Any, name: str) -> None:
+  if params is None:
+    raise ValueError(f"{name} needs params: call update(updates, state, params).")
+
+
+class StochasticRoundState(NamedTuple):
+  """State of `stochastic_round`: the PRNG key of the next step."""
+
+  key: jax.Array
+
+
+def _stochastic_round(x: jax.Array, dtype, key: jax.Array) -> jax.Array:
+  """Rounds float32 ``x`` to ``dtype``, up or down with probability by distance."""
+  nearest = x.astype(dtype)
+  near32 = nearest.astype(jnp.float32)
+  # The neighbour on the other side of x (same as nearest if x is exact).
+  toward = jnp.where(x > near32, jnp.asarray(jnp.inf, dtype), jnp.asarray(-jnp.inf, dtype))
+  other = jnp.nextafter(nearest, toward)
+  other32 = other.astype(jnp.float32)
+  gap = other32 - near32
+  # Probability of `other`: distance from nearest over the gap (in [0, 1/2]).
+  p_other = jnp.where(gap != 0, (x - near32) / jnp.where(gap != 0, gap, 1.0), 0.0)
+  u = jax.random.uniform(key, x.shape, jnp.float32)
+  out = jnp.where(u < p_other, other, nearest)
+  return jnp.where(jnp.isfinite(x) & jnp.isfinite(other32), out, nearest)
+
+
+def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
+  """Rounds ``params + updates`` stochastically for low-precision params.
+
+  Place it last in a chain. For each bfloat16/float16 parameter ``p`` and
+  float32 update ``u`` it draws ``new = SR(p + u)``, which is one of the two
+  representable neighbours of ``p + u`` with the probability that makes
+  ``E[new] = p + u``, and emits ``new - p`` in float32. It never moves a value
+  by more than one ulp of the parameter dtype beyond ``p + u``. The key
+  advances once per step; the same key gives the same run.
+
+  Args:
+    key: a PRNG key (``jax.random.key`` or ``PRNGKey``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jmp_lite
+    >>> params = {"w": jnp.ones(4096, jnp.bfloat16)}
+    >>> tx = jmp_lite.optax.stochastic_round(jax.random.key(0))
+    >>> updates, _ = tx.update({"w": jnp.full(4096, 1e-3)}, tx.init(params), params)
+    >>> with jax.numpy_dtype_promotion("standard"):
+    ...   new = optax.apply_updates(params, updates)
+    >>> round(float(jnp.mean(new["w"].astype(jnp.float32))), 3)  # 1.001 on average
+    1.001
+  """
+
+  def init(params):
+    del params
+    return StochasticRoundState(key=key)
+
+  def update(updates, state, params=None):
+    _check_params(params, "stochastic_round")
+    step_key, next_key = jax.random.split(state.key)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(step_key, max(len(leaves), 1))
+    keys = jax.tree.unflatten(treedef, list(keys[:len(leaves)]))
+
+    def one(u, p, k):
+      if not _is_low(p):
+        return u
+      p32 = p.astype(jnp.float32)
+      new = _stochastic_round(p32 + u.astype(jnp.float32), p.dtype, k)
+      return new.astype(jnp.float32) - p32
+
+    return jax.tree.map(one, updates, params, keys), StochasticRoundState(next_key)
+
+  return optax.GradientTransformation(init, update)
+
+
+class KahanState(NamedTuple):
+  """State of `kahan_summation`: what rounding lost, per parameter."""
+
+  compensation: Any
+
+
+def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransformation:
+  """Kahan-compensated updates for low-precision params.
+
+  Place it last in a chain. For each bfloat16/float16 parameter it keeps a
+  compensation ``c`` (in the parameter's dtype, or ``dtype``) and does::
+
+    y   = u + c                  # in float32
+    new = round(p + y)           # to the parameter's dtype
+    c   = y - (new - p)          # what the rounding lost
+    emit new - p                 # float32, exact
+
+  so the applied updates add up to the float32 sum of ``u``.
+
+  Args:
+    dtype: dtype of the compensation buffer (default: each parameter's dtype).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jmp_lite
+    >>> params = {"w": jnp.ones(1, jnp.bfloat16)}
+    >>> tx = jmp_lite.optax.kahan_summation()
+    >>> state = tx.init(params)
+    >>> for _ in range(100):  # each 1e-3 alone is lost to rounding
+    ...   updates, state = tx.update({"w": jnp.full(1, 1e-3)}, state, params)
+    ...   with jax.numpy_dtype_promotion("standard"):
+    ...     params = optax.apply_updates(params, updates)
+    >>> float(params["w"][0])
+    1.1015625
+  """
+
+  def init(params):
+    def zeros(p):
+      if not _is_low(p):
+        return jnp.zeros((), jnp.float32)  # placeholder: nothing to compensate
+      return jnp.zeros(p.shape, p.dtype if dtype is None else dtype)
+    return KahanState(jax.tree.map(zeros, params))
+
+  def update(updates, state, params=None):
+    _check_params(params, "kahan_summation")
+
+    def one(u, p, c):
+      if not _is_low(p):
+        return u, c
+      p32 = p.astype(jnp.float32)
+      y = u.astype(jnp.float32) + c.astype(jnp.float32)
+      new32 = (p32 + y).astype(p.dtype).astype(jnp.float32)
+      applied = new32 - p32
+      return applied, (y - applied).astype(c.dtype)
+
+    pairs = jax.tree.map(one, updates, params, state.compensation)
+    is_pair = lambda x: isinstance(x, tuple)
+    new_updates = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
+    comp = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
+    return new_updates, KahanState(comp)
+
+  return optax.GradientTransformation(init, update)
+
+
+def with_state_dtype(inner: optax.GradientTransformation,
+                     dtype: DTypeLike) -> optax.GradientTransformationExtraArgs:
+  """Stores ``inner``'s floating state (moments, traces) in ``dtype``.
+
+  Each update upcasts the state and the incoming updates to float32, runs
+  ``inner`` there, and stores the new state back in ``dtype``: the state
+  that comes out has exactly the dtypes of the state that went in. Scalars
+  in the state (hyperparameters of ``optax.inject_hyperparams``, step sizes)
+  and integer counters keep their dtypes; only arrays of rank >= 1 are
+  stored in ``dtype``.
+
+  Args:
+    inner: any optax transformation.
+    dtype: a floating dtype, e.g. ``jnp.bfloat16``.
+
+  Raises:
+    ValueError: if ``dtype`` is not a floating dtype.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jmp_lite
+    >>> tx = jmp_lite.optax.with_state_dtype(optax.adam(1e-3), jnp.bfloat16)
+    >>> state = tx.init({"w": jnp.ones(3)})
+    >>> sorted({x.dtype.name for x in jax.tree.leaves(state)})
+    ['bfloat16', 'int32']
+  """
+  try:
+    dtype = np.dtype(jnp.dtype(dtype))
+  except TypeError as e:
+    raise ValueError(f"with_state_dtype: {dtype!r} is not a dtype.") from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"with_state_dtype: dtype must be floating, got {dtype.name}")
+  inner = optax.with_extra_args_support(inner)
+
+  def store(tree):
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if (jnp.issubdtype(x.dtype, jnp.floating)
+                                      and x.ndim >= 1) else x, tree)
+
+  def widen(tree):
+    return jax.tree.map(
+        lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  def init(params):
+    return store(inner.init(params))
+
+  def update(updates, state, params=None, **extra_args):
+    kept = jax.tree.map(lambda x: x.dtype, state)
+    params = None if params is None else widen(params)
+    new_updates, new_state = inner.update(widen(updates), widen(state), params,
+                                          **extra_args)
+    new_state = jax.tree.map(lambda x, d: x.astype(d), new_state, kept)
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,165 @@
+"""Tests of jmp_lite.rounding: stochastic_round, kahan_summation, with_state_dtype."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite import optax as jo
+
+JIT = pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
+LOW = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+
+
+def _maybe_jit(f, jit):
+  return jax.jit(f) if jit else f
+
+
+def _apply(params, updates):
+  # bf16 params + f32 updates: standard promotion, as documented.
+  with jax.numpy_dtype_promotion("standard"):
+    return optax.apply_updates(params, updates)
+
+
+def _ulp(x, dtype):
+  x = jnp.asarray(x, dtype)
+  return np.abs(np.asarray(jnp.nextafter(x, jnp.asarray(jnp.inf, dtype)), np.float32)
+                - np.asarray(x, np.float32))
+
+
+@JIT
+@LOW
+def test_stochastic_round_is_unbiased_and_within_one_ulp(jit, dtype):
+  n = 40_000
+  base = np.float32(1.0 + 3 * 2.0 ** -7)  # exactly representable in both dtypes
+  delta = np.float32(0.3 * float(_ulp(base, dtype)))
+  params = {"w": jnp.full((n,), base, dtype)}
+  tx = jo.stochastic_round(jax.random.key(1))
+  updates, state = _maybe_jit(tx.update, jit)({"w": jnp.full((n,), delta)}, tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32
+  new = _apply(params, updates)["w"]
+  assert new.dtype == dtype
+  new32 = np.asarray(new, np.float32)
+  exact = np.float32(base + delta)
+  # Every draw is one of the two neighbours of the exact value.
+  assert np.all(np.abs(new32 - exact) <= _ulp(exact, dtype))
+  assert set(np.unique(new32)) <= {float(jnp.asarray(exact, dtype).astype(jnp.float32)),
+                                   float(base), float(base + _ulp(base, dtype))}
+  # Unbiased: mean within 5 standard errors of the exact sum.
+  gap = float(_ulp(base, dtype))
+  p = float(delta) / gap
+  stderr = gap * np.sqrt(p * (1 - p) / n)
+  assert abs(new32.mean() - exact) < 5 * stderr
+  # The emitted update lands exactly: p + u == new in float32.
+  np.testing.assert_array_equal(
+      np.asarray(params["w"], np.float32) + np.asarray(updates["w"]), new32)
+  assert not np.array_equal(np.asarray(jax.random.key_data(state.key)),
+                            np.asarray(jax.random.key_data(jax.random.key(1))))
+
+
+def test_stochastic_round_is_deterministic_given_the_key_and_skips_f32():
+  params = {"w": jnp.ones(64, jnp.bfloat16), "f": jnp.ones(3, jnp.float32)}
+  grads = {"w": jnp.full(64, 1e-3), "f": jnp.full(3, 1e-3)}
+  tx = jo.stochastic_round(jax.random.key(7))
+  u1, s1 = tx.update(grads, tx.init(params), params)
+  u2, _ = tx.update(grads, tx.init(params), params)
+  u3, _ = tx.update(grads, s1, params)
+  np.testing.assert_array_equal(u1["w"], u2["w"])
+  assert not np.array_equal(u1["w"], u3["w"])  # the key advanced
+  np.testing.assert_array_equal(u1["f"], grads["f"])  # float32 params: untouched
+
+
+@JIT
+@LOW
+def test_kahan_tracks_a_long_sum_of_tiny_updates_where_naive_stalls(jit, dtype):
+  steps, tiny = 2000, np.float32(1e-4)
+  params = {"w": jnp.ones((4,), dtype)}
+  naive = dict(params)
+  tx = jo.kahan_summation()
+  state = tx.init(params)
+  update = _maybe_jit(tx.update, jit)
+  grads = {"w": jnp.full((4,), tiny)}
+  exact = np.float32(1.0)
+  for _ in range(steps):
+    updates, state = update(grads, state, params)
+    params = _apply(params, updates)
+    naive = _apply(naive, grads)
+    exact = exact + tiny
+  got = np.asarray(params["w"], np.float32)
+  assert np.all(np.abs(got - exact) <= _ulp(exact, dtype))
+  assert state.compensation["w"].dtype == dtype
+  if dtype == jnp.bfloat16:  # 1 + 1e-4 rounds back to 1 in bfloat16
+    np.testing.assert_array_equal(np.asarray(naive["w"], np.float32), 1.0)
+
+
+def test_stochastic_round_tracks_the_same_long_sum_on_average():
+  n, steps, tiny = 4096, 500, np.float32(1e-4)
+  params = {"w": jnp.ones((n,), jnp.bfloat16)}
+  tx = jo.stochastic_round(jax.random.key(3))
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  grads = {"w": jnp.full((n,), tiny)}
+  for _ in range(steps):
+    updates, state = update(grads, state, params)
+    params = _apply(params, updates)
+  mean = float(np.asarray(params["w"], np.float32).mean())
+  np.testing.assert_allclose(mean, 1.0 + steps * float(tiny), rtol=2e-3)
+
+
+@JIT
+@pytest.mark.parametrize("inner", [
+    lambda: optax.adam(1e-3), lambda: optax.sgd(1e-2, momentum=0.9),
+    lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)])
+def test_with_state_dtype_keeps_state_dtypes_across_updates(jit, inner):
+  params = {"w": jnp.ones((5, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.bfloat16)}
+  tx = jo.with_state_dtype(inner(), jnp.bfloat16)
+  state = tx.init(params)
+  dtypes = jax.tree.map(lambda x: x.dtype, state)
+  update = _maybe_jit(tx.update, jit)
+  with jax.numpy_dtype_promotion("standard"):  # optax's Adam: b1 ** count
+    for _ in range(3):
+      updates, state = update(jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params),
+                              state, params)
+  assert jax.tree.map(lambda x: x.dtype, state) == dtypes
+  arrays = [x for x in jax.tree.leaves(state) if x.ndim >= 1]
+  assert arrays and all(x.dtype == jnp.bfloat16 for x in arrays)
+  assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))
+  # Scalars (inject_hyperparams' hyperparameters) keep the dtype inner gave them.
+  scalar_dtypes = lambda s: [x.dtype for x in jax.tree.leaves(s) if x.ndim == 0]
+  assert scalar_dtypes(state) == scalar_dtypes(inner().init(params))
+
+
+def test_with_state_dtype_rejects_non_floating():
+  with pytest.raises(ValueError, match="int32"):
+    jo.with_state_dtype(optax.sgd(0.1), jnp.int32)
+
+
+@pytest.mark.parametrize("make", [lambda: jo.stochastic_round(jax.random.key(0)),
+                                  lambda: jo.kahan_summation()])
+def test_skipped_steps_do_not_advance_the_key_or_change_the_buffer(make):
+  params = {"w": jnp.ones(8, jnp.bfloat16)}
+  tx = jo.with_loss_scale(optax.chain(optax.sgd(1e-3), make()),
+                          jmp_lite.StaticLossScale(2.0))
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  updates, state = update({"w": jnp.full(8, 2.0, jnp.bfloat16)}, state, params)
+  params = _apply(params, updates)
+  inner_before = jo.find_loss_scale_state(state).inner_state
+  poisoned = {"w": jnp.full(8, 2.0, jnp.bfloat16).at[3].set(jnp.nan)}
+  updates, state = update(poisoned, state, params)
+  assert bool(jo.find_loss_scale_state(state).skipped)
+  after = jo.find_loss_scale_state(state).inner_state
+  for a, b in zip(jax.tree.leaves(inner_before), jax.tree.leaves(after)):
+    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  new = _apply(params, updates)
+  assert np.asarray(new["w"]).tobytes() == np.asarray(params["w"]).tobytes()
+
+
+def test_rounding_transforms_need_params():
+  for tx in (jo.stochastic_round(jax.random.key(0)), jo.kahan_summation()):
+    with pytest.raises(ValueError, match="needs params"):
+      tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}))
