@@ -1,0 +1,611 @@
+"""Mixed-precision policies for unmodified Flax models, Linen and NNX.
+
+`wrap` gives a model a `Policy` without editing the model's code:
+
+* parameters are created and stored in ``param_dtype``;
+* every module casts its floating inputs and its parameters to its own
+  ``compute_dtype``, and hands its outputs back in its *caller's* compute dtype
+  (the outermost module: in ``output_dtype``), so layers pass compute-dtype
+  values to each other with no float32 round trips;
+* every matrix multiply and convolution whose operands are 16-bit (or
+  narrower) floats accumulates in float32 (``preferred_element_type``) and is
+  rounded to the operand dtype once, in the forward and the backward pass;
+* ``rules`` give other policies to module classes or module paths; by default
+  LayerNorm, RMSNorm, BatchNorm and GroupNorm (Linen and NNX) run, and keep
+  their statistics, in float32;
+* other collections (``batch_stats``, RNG counters...) are never cast.
+
+Design. The policy lives in the wrapper, never in a registry:
+
+* Linen: the wrapper shares its scope with the model (`flax.linen.share_scope`,
+  so the variables have the model's own layout) and calls it under
+  `flax.linen.intercept_methods`. The interceptor, for each module method call,
+  casts the arguments and runs the method on a clone of the module bound to a
+  scope whose ``param`` creates parameters in ``param_dtype`` and reads them in
+  ``compute_dtype``. This covers custom modules that call ``self.param``
+  directly, not only layers with ``dtype``/``param_dtype`` attributes.
+* NNX has no interception hook. The wrapper rebuilds a throw-away copy of the
+  module graph on every call (`flax.nnx.split`/`flax.nnx.merge`, cheap under
+  ``jit``), casts the copy's parameters, gives each copied module a subclass
+  whose ``__call__`` casts at the boundary, runs it, and writes the non-param
+  state (batch statistics, RNG counts) back in its stored dtype. The user's
+  objects are never re-classed, and gradients flow through the casts to the
+  stored parameters, so they come back in ``param_dtype``.
+* Accumulation is a jaxpr-level rewrite around the whole call, shared by both
+  APIs: the call is traced once and re-evaluated with each low-precision
+  ``dot_general``/``conv_general_dilated`` replaced by a ``custom_vjp`` op
+  that asks for float32 accumulation and whose backward pass does the same.
+  Injecting ``dot_general=`` into layers would miss ``jnp.einsum`` in
+  attention (hard-coded in NNX) and matmuls in user code; a bf16-output dot
+  is both less accurate and, on CPUs with bf16 matrix units, slower than an
+  f32-accumulating one. Bodies of ``scan``, ``while``, ``cond``, ``remat``
+  and custom-derivative functions are run as written, and the rewrite happens
+  in the wrapper's own ``init``/``apply`` (Linen) or ``__call__`` (NNX): a
+  Linen wrapper nested inside another module gets the casts, not the
+  rewrite, so wrap the outermost model.
+
+Rules. ``rules`` maps keys to policies (a `Policy` or a string for
+`get_policy`). A key is a module class (matches its instances and its
+subclasses' instances) or a regular expression matched with `re.fullmatch`
+against the module path relative to the wrapped model, its parts joined by
+``/`` (``"encoder/layers_0/attention"``; the wrapped model itself is ``""``).
+The most specific matching rule wins:
+
+1. a path rule beats any class rule;
+2. among path rules, the pattern with more literal characters (characters
+   that are not regex syntax) wins, then the later one in ``rules``;
+3. among class rules, the most derived class wins.
+
+User rules are added to the defaults: a user rule for ``nn.LayerNorm``
+replaces that default, and ``default_rules=False`` drops them all. Modules no
+rule matches use ``policy``. `policy_map` lists the outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core.scope import Scope
+
+from jmp_lite._dot import dot_general_f32
+from jmp_lite.policy import get_policy
+from jmp_lite.policy import Policy
+
+__all__ = ("wrap", "policy_map", "default_rules")
+
+_NORM_CLASSES = (
+    nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm,
+    nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm,
+)
+_REGEX_SYNTAX = set(".^$*+?{}[]|()\\")
+
+
+def default_rules(policy: Policy | str) -> dict[type, Policy]:
+  """The rules `wrap` adds unless ``default_rules=False``.
+
+  Normalisation layers keep parameters and statistics in float32, compute in
+  float32 and, like every inner module, hand their outputs back in their
+  caller's compute dtype (Haiku's ResNet example does this by hand).
+
+  Example:
+    >>> import flax.linen as nn
+    >>> import jmp_lite.flax
+    >>> str(jmp_lite.flax.default_rules("p=f32,c=bf16,o=f32")[nn.LayerNorm])
+    'p=f32,c=f32,o=f32'
+  """
+  policy = get_policy(policy)
+  norm = Policy(np.float32, np.float32, policy.output_dtype)
+  return {cls: norm for cls in _NORM_CLASSES}
+
+
+# Rules ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+  """Validated rules; hashable, so a Linen wrapper can hold them as a field."""
+
+  policy: Policy
+  classes: tuple[tuple[type, Policy], ...]
+  paths: tuple[tuple[re.Pattern, int, Policy], ...]  # (pattern, rank, policy)
+
+  @classmethod
+  def create(cls, policy, rules, use_defaults: bool) -> "_Rules":
+    policy = _to_policy(policy, "policy")
+    if rules is None:
+      rules = {}
+    if not isinstance(rules, Mapping):
+      raise TypeError(
+          f"rules must be a mapping from module classes or path regexes to "
+          f"policies, got {rules!r}.")
+    classes = dict(default_rules(policy)) if use_defaults else {}
+    paths = []
+    for i, (key, value) in enumerate(rules.items()):
+      rule_policy = _to_policy(value, f"rules[{key!r}]")
+      if isinstance(key, type):
+        if not issubclass(key, (nn.Module, nnx.Module)):
+          raise TypeError(
+              f"Rule key {key!r} is a class but not a flax.linen.Module or "
+              "flax.nnx.Module subclass.")
+        classes[key] = rule_policy
+      elif isinstance(key, str):
+        try:
+          pattern = re.compile(key)
+        except re.error as e:
+          raise ValueError(
+              f"Rule key {key!r} is not a valid regular expression: {e}.") from None
+        literal = sum(ch not in _REGEX_SYNTAX for ch in key)
+        paths.append((pattern, (literal, i), rule_policy))
+      else:
+        raise TypeError(
+            f"Rule key {key!r} ({type(key).__name__}) must be a module class or "
+            "a regular expression over module paths, e.g. nn.LayerNorm or "
+            "'encoder/.*/attention'.")
+    return cls(policy, tuple(classes.items()), tuple(paths))
+
+  def resolve(self, module_type: type, path: str) -> Policy:
+    """The policy of the most specific rule matching (see module docstring)."""
+    best = None
+    for pattern, rank, policy in self.paths:
+      if pattern.fullmatch(path) and (best is None or rank >= best[0]):
+        best = (rank, policy)
+    if best is not None:
+      return best[1]
+    mro = module_type.__mro__
+    matches = [(mro.index(c), p) for c, p in self.classes if c in mro]
+    if matches:
+      return min(matches, key=lambda m: m[0])[1]
+    return self.policy
+
+
+def _to_policy(value, what: str) -> Policy:
+  if isinstance(value, Policy):
+    return value
+  if isinstance(value, str):
+    try:
+      return get_policy(value)
+    except ValueError as e:
+      raise ValueError(f"{what}: {e}") from None
+  raise TypeError(
+      f"{what} must be a jmp_lite.Policy or a policy string such as "
+      f"'p=f32,c=bf16,o=f32', got {value!r}.")
+
+
+def _path_str(parts) -> str:
+  return "/".join(str(p) for p in parts)
+
+
+def _is_narrow_float(dtype) -> bool:
+  dtype = np.dtype(dtype)
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and jnp.finfo(dtype).bits <= 16
+
+
+# Float32 accumulation: a jaxpr rewrite ---------------------------------------
+
+_ACCUMULATING = ("dot_general", "conv_general_dilated")
+_INLINED_CALLS = ("pjit", "jit", "closed_call", "core_call")
+
+
+def _accumulating_op(primitive, params, out_dtype):
+  """``primitive`` on two narrow floats, accumulating in float32.
+
+  The backward pass is the primitive's own transpose, itself rewritten, so the
+  cotangent dots are narrow x narrow -> float32 too (JAX's transpose of a dot
+  with ``preferred_element_type=float32`` would multiply a float32 cotangent
+  by a narrow operand).
+  """
+  f32_params = dict(params, preferred_element_type=np.dtype(np.float32))
+
+  @jax.custom_vjp
+  def op(lhs, rhs):
+    if primitive.name == "dot_general":
+      # Canonical layout: XLA's CPU runtime rejects some batched bf16 -> f32 dots.
+      out = dot_general_f32(lhs, rhs, params["dimension_numbers"],
+                            params.get("precision"))
+    else:
+      out = primitive.bind(lhs, rhs, **f32_params)
+    return out.astype(out_dtype)
+
+  def fwd(lhs, rhs):
+    return op(lhs, rhs), (lhs, rhs)
+
+  def bwd(res, ct):
+    lhs, rhs = res
+    # Each operand's cotangent is a transpose of a linear map; unlike
+    # `jax.vjp`, `jax.linear_transpose` leaves no dead forward op behind.
+    by_lhs = jax.linear_transpose(
+        lambda a: primitive.bind(a, rhs, **params), lhs)
+    by_rhs = jax.linear_transpose(
+        lambda b: primitive.bind(lhs, b, **params), rhs)
+    return _accumulate_in_f32(lambda c: (by_lhs(c)[0], by_rhs(c)[0]))(
+        ct.astype(out_dtype))
+
+  op.defvjp(fwd, bwd)
+  return op
+
+
+def _is_narrow_matmul(eqn) -> bool:
+  if eqn.primitive.name not in _ACCUMULATING or len(eqn.invars) != 2:
+    return False
+  lhs, rhs = (v.aval.dtype for v in eqn.invars)
+  return (lhs == rhs and _is_narrow_float(lhs)
+          and eqn.params.get("preferred_element_type") in (None, lhs))
+
+
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(sub, jex.core.ClosedJaxpr):
+        yield sub.jaxpr
+      elif isinstance(sub, jex.core.Jaxpr):
+        yield sub
+
+
+def _inline(eqn) -> bool:
+  """Whether ``eqn`` is a call with a narrow matmul somewhere inside.
+
+  Calls without one are bound as they are, so eager dispatch keeps their
+  compiled form (inlining a PRNG kernel would dispatch it op by op).
+  """
+  def has_narrow_matmul(jaxpr):
+    return any(_is_narrow_matmul(e) or any(map(has_narrow_matmul, _sub_jaxprs(e)))
+               for e in jaxpr.eqns)
+  return (eqn.primitive.name in _INLINED_CALLS
+          and any(map(has_narrow_matmul, _sub_jaxprs(eqn))))
+
+
+def _eval_rewritten(jaxpr, consts, *args):
+  env = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex.core.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    if _is_narrow_matmul(eqn):
+      out_dtype = eqn.outvars[0].aval.dtype
+      outvals = [_accumulating_op(eqn.primitive, eqn.params, out_dtype)(*invals)]
+    elif _inline(eqn):
+      closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      if isinstance(closed, jex.core.ClosedJaxpr):
+        outvals = _eval_rewritten(closed.jaxpr, closed.consts, *invals)
+      else:
+        outvals = _eval_rewritten(closed, (), *invals)
+    else:
+      bind_params = eqn.primitive.get_bind_params(eqn.params)
+      with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **bind_params)
+      outvals = out if eqn.primitive.multiple_results else [out]
+    for v, x in zip(eqn.outvars, outvals):
+      if not isinstance(v, jex.core.DropVar):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _accumulate_in_f32(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """``fun`` with narrow-float dots and convolutions accumulating in float32.
+
+  Array leaves of the arguments are traced; other leaves (flags, collection
+  names) are closed over as Python values.
+  """
+
+  @functools.wraps(fun)
+  def rewritten(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    traced = [i for i, x in enumerate(leaves)
+              if isinstance(x, (jax.Array, np.ndarray))]
+
+    def flat_fun(*dynamic):
+      full = list(leaves)
+      for i, x in zip(traced, dynamic):
+        full[i] = x
+      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      return fun(*a, **k)
+
+    dynamic = [leaves[i] for i in traced]
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
+    out = _eval_rewritten(closed.jaxpr, closed.consts, *dynamic)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(out_shape), out)
+
+  return rewritten
+
+
+# Linen -------------------------------------------------------------------------
+
+
+class _PolicyScope(Scope):
+  """A view of a module's scope that applies a policy to its parameters.
+
+  Same variables, RNG counters and path as the scope it mirrors (as
+  `Scope.rewound` builds it); children pushed from it are plain scopes.
+  """
+
+  def __init__(self, scope: Scope, policy: Policy):
+    super().__init__(scope._variables, scope.rngs, scope.name, scope.mutable,  # pylint: disable=protected-access
+                     scope.parent, path=scope.path,
+                     debug_path=scope.debug_path, flags=scope.flags)
+    self.rng_counters = scope.rng_counters
+    self.jmp_policy = policy
+
+  def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+    policy = self.jmp_policy
+
+    def init_in_param_dtype(*args, **kwargs):
+      return policy.cast_to_param(init_fn(*args, **kwargs))
+
+    value = super().param(name, init_in_param_dtype, *init_args, unbox=unbox,
+                          **init_kwargs)
+    return policy.cast_to_compute(value)
+
+
+class _LinenInterceptor:
+  """Applies the rules to every module method called under it.
+
+  Holds the policies of the modules running now (per call, not global): a
+  module's outputs go back in its caller's compute dtype.
+  """
+
+  def __init__(self, rules: _Rules, root: tuple, record: Optional[dict] = None):
+    self.rules = rules
+    self.root = root
+    self.record = record
+    self.stack: list[Optional[Policy]] = []
+
+  def __call__(self, next_fun, args, kwargs, context):
+    module = context.module
+    if (context.method_name == "setup"
+        or isinstance(module.scope, _PolicyScope)
+        or (self.stack and self.stack[-1] is None)):
+      return next_fun(*args, **kwargs)
+    caller = self.stack[-1] if self.stack else None
+    if isinstance(module, _LinenWrapper):  # a nested wrapper has its own rules
+      self.stack.append(None)
+      try:
+        out = next_fun(*args, **kwargs)
+      finally:
+        self.stack.pop()
+      return caller.cast_to_compute(out) if caller else out
+    path = _path_str(module.path[len(self.root):])
+    policy = self.rules.resolve(type(module), path)
+    if self.record is not None:
+      self.record.setdefault(path, policy)
+    args, kwargs = policy.cast_to_compute((args, kwargs))
+    method = getattr(type(module), context.method_name, None)
+    self.stack.append(policy)
+    try:
+      if method is None:  # a function passed as `method=`: cast only.
+        out = next_fun(*args, **kwargs)
+      else:
+        clone = module.clone(parent=_PolicyScope(module.scope, policy),
+                             _deep_clone=True)
+        out = getattr(clone, context.method_name)(*args, **kwargs)
+    finally:
+      self.stack.pop()
+    return caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+
+
+class _LinenWrapper(nn.Module):
+  """A Linen model run under a policy. Build it with `wrap`."""
+
+  module: nn.Module
+  rules: _Rules
+
+  def setup(self):
+    nn.share_scope(self, self.module)
+
+  def __call__(self, *args, **kwargs):
+    with nn.intercept_methods(_LinenInterceptor(self.rules, self.scope.path)):
+      return self.module(*args, **kwargs)
+
+  @nn.nowrap
+  def init_with_output(self, rngs, *args, **kwargs):
+    fun = super().init_with_output
+    return (_accumulate_in_f32(fun) if _needs_rewrite(self.rules) else fun)(
+        rngs, *args, **kwargs)
+
+  @nn.nowrap
+  def apply(self, variables, *args, **kwargs):
+    fun = super().apply
+    return (_accumulate_in_f32(fun) if _needs_rewrite(self.rules) else fun)(
+        variables, *args, **kwargs)
+
+
+def _needs_rewrite(rules: _Rules) -> bool:
+  policies = [rules.policy, *(p for _, p in rules.classes),
+              *(p for _, _, p in rules.paths)]
+  return any(_is_narrow_float(p.compute_dtype) for p in policies)
+
+
+# NNX ---------------------------------------------------------------------------
+
+
+@functools.cache
+def _casting_class(cls: type) -> type:
+  """A subclass of ``cls`` whose ``__call__`` casts at the module boundary.
+
+  Only instances in `_NnxWrapper`'s throw-away copies get it. The cache is a
+  memo of derived classes, not state.
+  """
+
+  def __call__(self, *args, **kwargs):
+    policy, stack = self._jmp_lite_policy, self._jmp_lite_stack
+    caller = stack[-1] if stack else None
+    args, kwargs = policy.cast_to_compute((args, kwargs))
+    stack.append(policy)
+    try:
+      out = cls.__call__(self, *args, **kwargs)
+    finally:
+      stack.pop()
+    return caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+
+  return type(cls.__name__, (cls,), {"__call__": __call__,
+                                     "__module__": cls.__module__,
+                                     "__qualname__": cls.__qualname__})
+
+
+class _NnxWrapper(nnx.Module):
+  """An NNX model run under a policy. Build it with `wrap`."""
+
+  def __init__(self, module: nnx.Module, rules: _Rules):
+    self.module = module
+    self.rules = rules
+    policies = self._policies(module)
+    for path, variable in nnx.iter_graph(module):
+      if isinstance(variable, nnx.Param):
+        owner = _owner(policies, path)
+        variable.set_value(owner.cast_to_param(variable.get_value()))
+
+  def _policies(self, module) -> dict[tuple, Policy]:
+    return {tuple(path): self.rules.resolve(type(m), _path_str(path))
+            for path, m in nnx.iter_modules(module)}
+
+  def __call__(self, *args, **kwargs):
+    graphdef, state = nnx.split(self.module)
+
+    def run(state, *args, **kwargs):
+      copy = nnx.merge(graphdef, state)
+      policies = self._policies(copy)
+      stack = []
+      for path, node in list(nnx.iter_graph(copy)):
+        if isinstance(node, nnx.Param):
+          policy = _owner(policies, path)
+          node.set_value(policy.cast_to_compute(node.get_value()))
+        elif isinstance(node, nnx.Module):
+          object.__setattr__(node, "_jmp_lite_policy", policies[tuple(path)])
+          object.__setattr__(node, "_jmp_lite_stack", stack)
+          if type(node).__call__ is not nnx.Module.__call__:
+            object.__setattr__(node, "__class__", _casting_class(type(node)))
+      out = copy(*args, **kwargs)
+      return out, nnx.state(copy, nnx.Not(nnx.Param))
+
+    if _needs_rewrite(self.rules):
+      run = _accumulate_in_f32(run)
+    out, updates = run(state, *args, **kwargs)
+    # Write back only what the call changed (an eval-mode call under a plain
+    # JAX transformation changes nothing, and may not mutate), in the stored
+    # dtype: statistics are never downcast.
+    stored = dict(nnx.to_flat_state(nnx.state(self.module, nnx.Not(nnx.Param))))
+    changed = []
+    for path, variable in nnx.to_flat_state(updates):
+      new, old = variable.get_value(), stored[path].get_value()
+      if new is old:
+        continue
+      if hasattr(old, "dtype") and new.dtype != old.dtype:
+        variable.set_value(new.astype(old.dtype))
+      changed.append((path, variable))
+    if changed:
+      nnx.update(self.module, nnx.from_flat_state(changed))
+    return out
+
+
+def _owner(policies: dict[tuple, Policy], path) -> Policy:
+  """The policy of the innermost module whose path is a prefix of ``path``."""
+  path = tuple(path)
+  for n in range(len(path) - 1, -1, -1):
+    if path[:n] in policies:
+      return policies[path[:n]]
+  raise AssertionError(f"No module owns {path}.")
+
+
+# Public API --------------------------------------------------------------------
+
+
+def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
+         default_rules: bool = True):
+  """Runs a Flax model under a mixed-precision policy, with no change to its code.
+
+  See the module docstring for what the policy does and how rules are chosen.
+
+  Args:
+    module: a `flax.linen.Module` or a `flax.nnx.Module`.
+    policy: a `Policy`, or a string `get_policy` parses (``"p=f32,c=bf16,o=f32"``).
+    rules: optional mapping from module classes or path regexes to policies
+      (`Policy` or string), e.g. ``{"encoder/.*/attention": "f32"}``.
+    default_rules: whether to add `default_rules` (normalisation in float32).
+
+  Returns:
+    For Linen, a module with the same ``init``/``apply`` (variables keep the
+    model's layout). For NNX, a module calling ``module``; NNX parameters are
+    converted to ``param_dtype`` in place, the wrapper sharing them.
+
+  Raises:
+    TypeError: if ``module`` is not a Flax module, or a rule key or policy has
+      the wrong type.
+    ValueError: for an invalid regex or policy string.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import jmp_lite.flax
+    >>> model = jmp_lite.flax.wrap(nn.Dense(3), "p=f32,c=bf16,o=f32")
+    >>> x = jnp.ones((2, 4))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> variables["params"]["kernel"].dtype, model.apply(variables, x).dtype
+    (dtype('float32'), dtype('float32'))
+  """
+  parsed = _Rules.create(policy, rules, default_rules)
+  if isinstance(module, nn.Module):
+    return _LinenWrapper(module, parsed)
+  if isinstance(module, nnx.Module):
+    return _NnxWrapper(module, parsed)
+  raise TypeError(
+      f"wrap expects a flax.linen.Module or a flax.nnx.Module, got {module!r} "
+      f"({type(module).__name__}).")
+
+
+def policy_map(wrapped, *args, rngs=None, **kwargs) -> dict[str, Policy]:
+  """Which policy applies to which module of a wrapped model.
+
+  Args:
+    wrapped: a model returned by `wrap`.
+    *args: for Linen, example inputs (only shapes and dtypes are used: the
+      model is traced with `jax.eval_shape`); ignored for NNX, whose modules
+      exist already.
+    rngs: for Linen, the ``init`` RNGs (default: ``params`` and ``dropout``).
+    **kwargs: for Linen, keyword arguments of the model's ``__call__``.
+
+  Returns:
+    A dict from module path (``""`` for the model itself) to `Policy`, in
+    call order (Linen) or graph order (NNX).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import flax.linen as nn
+    >>> import jmp_lite.flax
+    >>> class MLP(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return nn.Dense(2)(nn.LayerNorm()(x))
+    >>> model = jmp_lite.flax.wrap(MLP(), "p=f32,c=bf16,o=f32")
+    >>> {k: str(v) for k, v in jmp_lite.flax.policy_map(model, jnp.ones((1, 3))).items()}
+    {'': 'p=f32,c=bf16,o=f32', 'LayerNorm_0': 'p=f32,c=f32,o=f32', 'Dense_0': 'p=f32,c=bf16,o=f32'}
+  """
+  if isinstance(wrapped, _NnxWrapper):
+    del args, rngs, kwargs
+    return {_path_str(path): policy
+            for path, policy in wrapped._policies(wrapped.module).items()}  # pylint: disable=protected-access
+  if not isinstance(wrapped, _LinenWrapper):
+    raise TypeError(
+        f"policy_map expects a model returned by jmp_lite.flax.wrap, got "
+        f"{wrapped!r} ({type(wrapped).__name__}).")
+  if rngs is None:
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+  record: dict[str, Policy] = {}
+  with nn.intercept_methods(_LinenInterceptor(wrapped.rules, (), record)):
+    jax.eval_shape(lambda: wrapped.module.init(rngs, *args, **kwargs))
+  return record

@@ -1,0 +1,496 @@
+"""Tests for jmp_lite.flax: policies wrapped around Linen and NNX models."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_lite
+import jmp_lite.flax
+
+BF16 = "p=f32,c=bf16,o=f32"
+F32, BF = np.dtype(np.float32), np.dtype(jnp.bfloat16)
+MATMULS = ("dot_general", "conv_general_dilated")
+# Every model runs jitted; the MLPs run eagerly too (eager is slow to dispatch).
+JIT_CASES = [("mlp", False), ("mlp", True), ("cnn", True), ("attention", True),
+             ("custom", True)]
+
+
+def _eqns(jaxpr):
+  """Every equation of a jaxpr, including those of nested jaxprs."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+          yield from _eqns(sub)
+
+
+def _matmuls(jaxpr):
+  return [(tuple(np.dtype(v.aval.dtype) for v in e.invars),
+           np.dtype(e.params["preferred_element_type"]))
+          for e in _eqns(jaxpr) if e.primitive.name in MATMULS]
+
+
+def _assert_accumulates_in_f32(jaxpr):
+  found = _matmuls(jaxpr)
+  assert found
+  for operands, preferred in found:
+    assert operands == (BF, BF) and preferred == F32, found
+
+
+def _assert_norms_in_f32(jaxpr):
+  rsqrts = [e for e in _eqns(jaxpr) if e.primitive.name == "rsqrt"]
+  assert rsqrts
+  assert all(e.outvars[0].aval.dtype == F32 for e in rsqrts)
+
+
+def _dtypes(tree):
+  return set(np.dtype(x.dtype) for x in jax.tree.leaves(tree))
+
+
+# Linen models ------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    x = nn.relu(nn.LayerNorm()(nn.Dense(16)(x)))
+    x = nn.BatchNorm(use_running_average=not train)(x)
+    return nn.Dense(3)(x)
+
+
+class CNN(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    x = nn.Conv(8, (3, 3))(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+    x = nn.GroupNorm(num_groups=2)(nn.Conv(8, (3, 3), strides=2)(x))
+    return nn.Dense(3)(x.mean(axis=(1, 2)))
+
+
+class Attention(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    del train
+    y = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(x)
+    return nn.LayerNorm()(x + y)
+
+
+class Scale(nn.Module):
+  """A custom layer with its own parameter and a bare matmul."""
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.lecun_normal(),
+                   (x.shape[-1], self.features))
+    return x @ w
+
+
+class Custom(nn.Module):
+  """Submodules from setup, one of them called twice."""
+
+  def setup(self):
+    self.scale = Scale(8)
+    self.norm = nn.LayerNorm()
+    self.out = nn.Dense(3)
+
+  def __call__(self, x, train=False):
+    del train
+    return self.out(self.norm(self.scale(x)) + self.norm(self.scale(x)))
+
+
+LINEN = {
+    "mlp": (MLP, (4, 8)),
+    "cnn": (CNN, (2, 6, 6, 3)),
+    "attention": (Attention, (2, 5, 8)),
+    "custom": (Custom, (4, 8)),
+}
+
+
+def _linen(name, policy=BF16, **kwargs):
+  if not kwargs:  # Linen models and variables are immutable: share them.
+    return _linen_cached(name, policy)
+  return _linen_uncached(name, policy, **kwargs)
+
+
+@functools.cache
+def _linen_cached(name, policy):
+  return _linen_uncached(name, policy)
+
+
+def _linen_uncached(name, policy, **kwargs):
+  cls, shape = LINEN[name]
+  x = jax.random.normal(jax.random.key(1), shape)
+  model = cls()
+  wrapped = jmp_lite.flax.wrap(model, policy, **kwargs)
+  return model, wrapped, wrapped.init(jax.random.key(0), x), x
+
+
+def _maybe_jit(fun, jit):
+  return jax.jit(fun) if jit else fun
+
+
+@pytest.mark.parametrize("name", LINEN)
+def test_linen_matmuls_accumulate_in_f32_forward_and_backward(name):
+  _, wrapped, variables, x = _linen(name)
+  forward = jax.make_jaxpr(wrapped.apply)(variables, x)
+  _assert_accumulates_in_f32(forward)
+
+  def loss(params):
+    return wrapped.apply({**variables, "params": params}, x).sum()
+
+  _assert_accumulates_in_f32(jax.make_jaxpr(jax.grad(loss))(variables["params"]))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "attention", "custom"])
+def test_linen_norms_run_in_f32(name):
+  _, wrapped, variables, x = _linen(name)
+  _assert_norms_in_f32(jax.make_jaxpr(wrapped.apply)(variables, x))
+
+
+@pytest.mark.parametrize("name, jit", JIT_CASES)
+def test_linen_param_output_and_grad_dtypes(name, jit):
+  _, wrapped, variables, x = _linen(name)
+  assert _dtypes(variables["params"]) == {F32}
+
+  def loss(params):
+    out = wrapped.apply({**variables, "params": params}, x)
+    assert out.dtype == F32
+    return out.sum()
+
+  grads = _maybe_jit(jax.grad(loss), jit)(variables["params"])
+  assert _dtypes(grads) == {F32}
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("name, jit", [("mlp", False), ("mlp", True),
+                                       ("cnn", True)])
+def test_linen_batch_stats_stay_f32(name, jit):
+  _, wrapped, variables, x = _linen(name)
+  apply = _maybe_jit(
+      lambda v, x: wrapped.apply(v, x, train=True, mutable=["batch_stats"]), jit)
+  _, updates = apply(variables, x)
+  assert _dtypes(updates["batch_stats"]) == {F32}
+  assert jax.tree.structure(updates["batch_stats"]) == jax.tree.structure(
+      variables["batch_stats"])
+  changed = jax.tree.map(lambda a, b: bool(np.any(a != b)),
+                         updates["batch_stats"], variables["batch_stats"])
+  assert any(jax.tree.leaves(changed))
+
+
+@pytest.mark.parametrize("name, jit", JIT_CASES)
+def test_linen_f32_policy_is_bit_exact(name, jit):
+  model, wrapped, variables, x = _linen(name, "f32")
+  reference = model.init(jax.random.key(0), x)
+  jax.tree.map(np.testing.assert_array_equal, variables, reference)
+  np.testing.assert_array_equal(
+      _maybe_jit(wrapped.apply, jit)(variables, x),
+      _maybe_jit(model.apply, jit)(variables, x))
+
+
+def test_linen_bf16_policy_is_close_to_f32():
+  model, wrapped, variables, x = _linen("mlp")
+  np.testing.assert_allclose(wrapped.apply(variables, x),
+                             model.apply(variables, x), atol=0.1, rtol=0.1)
+
+
+def test_linen_output_dtype_and_param_dtype():
+  _, wrapped, variables, x = _linen("mlp", "p=bf16,c=bf16,o=bf16")
+  assert wrapped.apply(variables, x).dtype == BF
+  dtypes = jax.tree.map(lambda a: np.dtype(a.dtype), variables["params"])
+  assert dtypes["Dense_0"]["kernel"] == BF
+  assert dtypes["LayerNorm_0"]["scale"] == F32  # default rule: norms in f32
+  assert _dtypes(variables["batch_stats"]) == {F32}
+
+
+def test_linen_jitted_step_compiles_once():
+  _, wrapped, variables, x = _linen("mlp")
+  step = jax.jit(jax.grad(
+      lambda p, x: wrapped.apply({**variables, "params": p}, x).sum()))
+  step(variables["params"], x)
+  step(variables["params"], x + 1)
+  assert step._cache_size() == 1  # pylint: disable=protected-access
+
+
+# Rules and policy_map ----------------------------------------------------------
+
+
+def _strs(mapping):
+  return {k: str(v) for k, v in mapping.items()}
+
+
+def test_policy_map_linen_lists_every_module():
+  _, wrapped, _, x = _linen("attention")
+  assert _strs(jmp_lite.flax.policy_map(wrapped, x)) == {
+      "": "p=f32,c=bf16,o=f32",
+      "MultiHeadDotProductAttention_0": "p=f32,c=bf16,o=f32",
+      "MultiHeadDotProductAttention_0/query": "p=f32,c=bf16,o=f32",
+      "MultiHeadDotProductAttention_0/key": "p=f32,c=bf16,o=f32",
+      "MultiHeadDotProductAttention_0/value": "p=f32,c=bf16,o=f32",
+      "MultiHeadDotProductAttention_0/out": "p=f32,c=bf16,o=f32",
+      "LayerNorm_0": "p=f32,c=f32,o=f32",
+  }
+
+
+def test_class_rule():
+  _, wrapped, variables, x = _linen("mlp", rules={nn.Dense: "f32"})
+  assert _strs(jmp_lite.flax.policy_map(wrapped, x))["Dense_1"] == "p=f32,c=f32,o=f32"
+  assert all(ops == (F32, F32) for ops, _ in
+             _matmuls(jax.make_jaxpr(wrapped.apply)(variables, x)))
+
+
+def test_path_rule():
+  rules = {"MultiHeadDotProductAttention_0/(query|key)": "f32"}
+  _, wrapped, variables, x = _linen("attention", rules=rules)
+  got = _strs(jmp_lite.flax.policy_map(wrapped, x))
+  assert got["MultiHeadDotProductAttention_0/query"] == "p=f32,c=f32,o=f32"
+  assert got["MultiHeadDotProductAttention_0/value"] == "p=f32,c=bf16,o=f32"
+  operands = [ops for ops, _ in
+              _matmuls(jax.make_jaxpr(wrapped.apply)(variables, x))]
+  assert operands.count((F32, F32)) == 2
+
+
+def test_precedence():
+  rules = {
+      nn.Module: "f16",                  # least derived class
+      nn.Dense: "p=f32,c=bf16,o=bf16",   # most derived class wins over Module
+      "Dense_.*": "p=f32,c=f16,o=f32",   # a path rule beats class rules
+      "Dense_1": "f32",                  # more literal characters wins
+      ".*": "p=f32,c=f32,o=bf16",        # fewest literal characters
+  }
+  _, wrapped, _, x = _linen("mlp", rules=rules)
+  got = _strs(jmp_lite.flax.policy_map(wrapped, x))
+  assert got["Dense_0"] == "p=f32,c=f16,o=f32"
+  assert got["Dense_1"] == "p=f32,c=f32,o=f32"
+  assert got["LayerNorm_0"] == "p=f32,c=f32,o=bf16"
+
+
+def test_class_rule_precedence_without_path_rules():
+  rules = {nn.Module: "f16", nn.Dense: "p=f32,c=bf16,o=bf16"}
+  _, wrapped, _, x = _linen("mlp", rules=rules)
+  got = _strs(jmp_lite.flax.policy_map(wrapped, x))
+  assert got[""] == "p=f16,c=f16,o=f16"
+  assert got["Dense_0"] == "p=f32,c=bf16,o=bf16"
+  assert got["LayerNorm_0"] == "p=f32,c=f32,o=f32"  # its own default rule
+
+
+def test_later_of_equally_specific_path_rules_wins():
+  rules = {"Dense_[0]": "f16", "Dense_[01]": "f32"}
+  _, wrapped, _, x = _linen("mlp", rules=rules)
+  assert _strs(jmp_lite.flax.policy_map(wrapped, x))["Dense_0"] == "p=f32,c=f32,o=f32"
+
+
+def test_user_rule_replaces_default_and_defaults_can_be_dropped():
+  # Flax's own statistics code calls jnp.promote_types(bf16, float32), which
+  # strict promotion rejects: bf16 normalisation needs standard promotion.
+  with jax.numpy_dtype_promotion("standard"):
+    _, wrapped, _, x = _linen("mlp", rules={nn.LayerNorm: "bf16"})
+    got = _strs(jmp_lite.flax.policy_map(wrapped, x))
+    assert got["LayerNorm_0"] == "p=bf16,c=bf16,o=bf16"
+    assert got["BatchNorm_0"] == "p=f32,c=f32,o=f32"
+    _, wrapped, _, x = _linen("mlp", default_rules=False)
+    assert set(_strs(jmp_lite.flax.policy_map(wrapped, x)).values()) == {BF16}
+
+
+def test_default_rules_cover_linen_and_nnx_norms():
+  rules = jmp_lite.flax.default_rules(BF16)
+  for cls in (nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm,
+              nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm):
+    assert str(rules[cls]) == "p=f32,c=f32,o=f32"
+
+
+# Bad input ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [3, "Dense", nn.Dense])
+def test_wrap_rejects_non_modules(module):
+  with pytest.raises(TypeError, match="flax.linen.Module or a flax.nnx.Module"):
+    jmp_lite.flax.wrap(module, BF16)
+
+
+@pytest.mark.parametrize("rules, error, match", [
+    ({42: "f32"}, TypeError, "42"),
+    ({int: "f32"}, TypeError, "<class 'int'>"),
+    ({"Dense_(": "f32"}, ValueError, r"'Dense_\('"),
+    ({"Dense_0": "banana"}, ValueError, "banana"),
+    ({"Dense_0": 3.0}, TypeError, "3.0"),
+    ([("Dense_0", "f32")], TypeError, "mapping"),
+])
+def test_wrap_rejects_bad_rules(rules, error, match):
+  with pytest.raises(error, match=match):
+    jmp_lite.flax.wrap(nn.Dense(3), BF16, rules=rules)
+
+
+def test_wrap_rejects_bad_policy():
+  with pytest.raises(ValueError, match="banana"):
+    jmp_lite.flax.wrap(nn.Dense(3), "banana")
+  with pytest.raises(TypeError, match="None"):
+    jmp_lite.flax.wrap(nn.Dense(3), None)
+
+
+def test_policy_map_rejects_unwrapped_models():
+  with pytest.raises(TypeError, match="Dense"):
+    jmp_lite.flax.policy_map(nn.Dense(3), jnp.ones((1, 2)))
+
+
+# NNX ---------------------------------------------------------------------------
+
+
+class NnxMLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.dense1 = nnx.Linear(8, 16, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.bn = nnx.BatchNorm(16, rngs=rngs)
+    self.dense2 = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(self.bn(nnx.relu(self.norm(self.dense1(x)))))
+
+
+class NnxCNN(nnx.Module):
+
+  def __init__(self, rngs):
+    self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+    self.conv2 = nnx.Conv(8, 8, (3, 3), strides=2, rngs=rngs)
+    self.gn = nnx.GroupNorm(8, num_groups=2, rngs=rngs)
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.gn(self.conv2(nnx.relu(self.bn(self.conv1(x)))))
+    return self.head(x.mean(axis=(1, 2)))
+
+
+class NnxAttention(nnx.Module):
+
+  def __init__(self, rngs):
+    # A nonzero dropout rate selects Flax's einsum attention: with rate 0, NNX
+    # calls jax.nn.dot_product_attention, which breaks under strict dtype
+    # promotion for bf16 inputs (jnp.promote_types(bf16, np.float32)).
+    self.attention = nnx.MultiHeadAttention(
+        2, 8, qkv_features=8, decode=False, dropout_rate=0.1,
+        deterministic=True, rngs=rngs)
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(x + self.attention(x))
+
+
+class NnxScale(nnx.Module):
+
+  def __init__(self, din, dout, rngs):
+    self.w = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (din, dout)))
+
+  def __call__(self, x):
+    return x @ self.w[...]
+
+
+class NnxCustom(nnx.Module):
+
+  def __init__(self, rngs):
+    self.scale = NnxScale(8, 8, rngs)
+    self.norm = nnx.RMSNorm(8, rngs=rngs)
+    self.out = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.norm(self.scale(x)) + self.norm(self.scale(x)))
+
+
+NNX = {
+    "mlp": (NnxMLP, (4, 8)),
+    "cnn": (NnxCNN, (2, 6, 6, 3)),
+    "attention": (NnxAttention, (2, 5, 8)),
+    "custom": (NnxCustom, (4, 8)),
+}
+
+
+def _nnx(name, policy=BF16, **kwargs):
+  cls, shape = NNX[name]
+  x = jax.random.normal(jax.random.key(1), shape)
+  model = cls(nnx.Rngs(0))
+  model.eval()
+  return model, jmp_lite.flax.wrap(model, policy, **kwargs), x
+
+
+def _pure(module):
+  """A function of the parameters, for make_jaxpr and grad."""
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  return (lambda params, x: nnx.merge(graphdef, params, rest)(x)), params
+
+
+@pytest.mark.parametrize("name", NNX)
+def test_nnx_matmuls_accumulate_in_f32_and_norms_run_in_f32(name):
+  _, wrapped, x = _nnx(name)
+  fun, state = _pure(wrapped)
+  forward = jax.make_jaxpr(fun)(state, x)
+  _assert_accumulates_in_f32(forward)
+  if name != "attention":  # nnx.LayerNorm here is covered by the forward check
+    _assert_norms_in_f32(forward)
+  _assert_accumulates_in_f32(jax.make_jaxpr(
+      jax.grad(lambda s: fun(s, x).sum()))(state))
+
+
+@pytest.mark.parametrize("name, jit", JIT_CASES)
+def test_nnx_param_output_and_grad_dtypes(name, jit):
+  model, wrapped, x = _nnx(name)
+  assert _dtypes(nnx.state(model, nnx.Param)) == {F32}
+  assert wrapped(x).dtype == F32
+  grad = nnx.grad(lambda m: m(x).sum())
+  grads = (nnx.jit(grad) if jit else grad)(wrapped)
+  assert _dtypes(grads) == {F32}
+  assert _dtypes(nnx.state(model, nnx.Param)) == {F32}
+
+
+@pytest.mark.parametrize("name, jit", [("mlp", False), ("mlp", True),
+                                       ("cnn", True)])
+def test_nnx_batch_stats_stay_f32(name, jit):
+  model, wrapped, x = _nnx(name)
+  model.train()
+  before = jax.tree.map(np.array, nnx.state(model, nnx.BatchStat))
+  call = nnx.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
+  call(wrapped, x)
+  after = nnx.state(model, nnx.BatchStat)
+  assert _dtypes(after) == {F32}
+  assert any(bool(np.any(a != b)) for a, b in
+             zip(jax.tree.leaves(after), jax.tree.leaves(before)))
+
+
+@pytest.mark.parametrize("name, jit", JIT_CASES)
+def test_nnx_f32_policy_is_bit_exact(name, jit):
+  model, wrapped, x = _nnx(name, "f32")
+  call = nnx.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
+  np.testing.assert_array_equal(call(wrapped, x), call(model, x))
+
+
+def test_nnx_param_dtype_is_applied_in_place():
+  model, wrapped, x = _nnx("mlp", "p=bf16,c=bf16,o=bf16")
+  assert model.dense1.kernel[...].dtype == BF
+  assert model.norm.scale[...].dtype == F32
+  assert wrapped(x).dtype == BF
+
+
+def test_nnx_rules_and_policy_map():
+  rules = {nnx.Linear: "f32", "dense2": "p=f32,c=bf16,o=bf16"}
+  model, wrapped, x = _nnx("mlp", rules=rules)
+  assert _strs(jmp_lite.flax.policy_map(wrapped)) == {
+      "": BF16,
+      "dense1": "p=f32,c=f32,o=f32",
+      "norm": "p=f32,c=f32,o=f32",
+      "bn": "p=f32,c=f32,o=f32",
+      "dense2": "p=f32,c=bf16,o=bf16",
+  }
+  fun, state = _pure(wrapped)
+  assert [ops for ops, _ in _matmuls(jax.make_jaxpr(fun)(state, x))] == [
+      (F32, F32), (BF, BF)]
+  del model
