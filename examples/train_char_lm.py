@@ -95,7 +95,8 @@ def train(name, train_data, val_data, args):
   params = model.init(jax.random.key(args.seed), x0)["params"]
   loss_scale = (jmp_lite.DynamicLossScale(2.0 ** 15, period=200)
                 if policy.compute_dtype == jnp.float16 else jmp_lite.NoOpLossScale())
-  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 50, args.steps))
+  warmup = max(1, min(50, args.steps // 10))
+  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps))
   state = jmp_lite.TrainState.create(apply_fn=model.apply, params=params, tx=tx,
                                      loss_scale=loss_scale, clip_norm=1.0)
 
