@@ -5,8 +5,10 @@ jmp 0.0.4), with loss scales that compile once, a one-pass `all_finite`, and
 integrations with Flax and optax in `jmp_lite.flax` and `jmp_lite.optax`.
 """
 
+from jmp_lite import distributed
 from jmp_lite import flax
 from jmp_lite import optax
+from jmp_lite import testing
 from jmp_lite.loss_scale import all_finite
 from jmp_lite.loss_scale import DynamicLossScale
 from jmp_lite.loss_scale import LossScale

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite import loss_scale as ls_lib
@@ -105,7 +106,31 @@ def _global_norm_and_finite(grads: Any, inv_scale: jax.Array):
     norm = jnp.sqrt(sumsq(1 / top)) * (top * inv_scale)
     return jnp.where(finite, norm, jnp.nan), finite
 
-  return jax.lax.cond(jnp.isfinite(sq), lambda: (jnp.sqrt(sq), jnp.array(True)), slow)
+  # The true branch returns `finite` (True), not a constant, so that both
+  # branches have the same varying manual axes under `shard_map`.
+  finite = jnp.isfinite(sq)
+  return jax.lax.cond(finite, lambda: (jnp.sqrt(sq), finite), slow)
+
+
+def _check_grads_match_params(grads: Any, params: Any) -> None:
+  """Raises ValueError naming the first gradient whose shape differs from its parameter's."""
+  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
+  p_leaves, p_def = jax.tree_util.tree_flatten_with_path(params)
+  if g_def != p_def:
+    keystr = jax.tree_util.keystr
+    g_paths = {keystr(k) for k, _ in g_leaves}
+    p_paths = {keystr(k) for k, _ in p_leaves}
+    raise ValueError(
+        "with_loss_scale.update: the gradients and the parameters differ in "
+        f"structure: parameters without a gradient {sorted(p_paths - g_paths)}, "
+        f"gradients without a parameter {sorted(g_paths - p_paths)}.\n"
+        f"  grads:  {g_def}\n  params: {p_def}")
+  p_leaves = [p for _, p in p_leaves]
+  for (path, g), p in zip(g_leaves, p_leaves):
+    if np.shape(g) != np.shape(p):
+      raise ValueError(
+          f"with_loss_scale.update: gradient {jax.tree_util.keystr(path)} has shape "
+          f"{np.shape(g)} but its parameter has shape {np.shape(p)}.")
 
 
 def with_loss_scale(
@@ -164,8 +189,14 @@ def with_loss_scale(
                                  ls_lib.DynamicLossScale)):
     raise TypeError(
         f"with_loss_scale: loss_scale must be a jmp_lite loss scale, got {loss_scale!r}")
-  if clip_norm is not None and not clip_norm > 0:
-    raise ValueError(f"with_loss_scale: clip_norm must be > 0, got {clip_norm!r}")
+  if clip_norm is not None:
+    if isinstance(clip_norm, (str, bool)) or np.ndim(clip_norm) != 0:
+      raise TypeError(
+          f"with_loss_scale: clip_norm must be a positive number, got {clip_norm!r}")
+    if not (np.isfinite(clip_norm) and clip_norm > 0):
+      raise ValueError(
+          f"with_loss_scale: clip_norm must be > 0 and finite, got {clip_norm!r}")
+  axis_name = ls_lib.check_axis_name(axis_name, "with_loss_scale")
   if int(accumulate_steps) != accumulate_steps or accumulate_steps < 1:
     raise ValueError(
         f"with_loss_scale: accumulate_steps must be a whole number >= 1, got "
@@ -204,7 +235,7 @@ def with_loss_scale(
 
     def skip():
       shapes, _ = jax.eval_shape(apply)
-      zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
+      zeros = jax.tree.map(lambda s: jnp.full_like(s, -0.0), shapes)
       return zeros, state.inner_state
 
     updates, inner_state = jax.lax.cond(finite, apply, skip)
@@ -218,6 +249,8 @@ def with_loss_scale(
     return updates, new_state
 
   def update(grads, state, params=None, **extra_args):
+    if params is not None:
+      _check_grads_match_params(grads, params)
     inv_scale = 1 / state.loss_scale.loss_scale.astype(jnp.float32)
     if k == 1:
       return step(grads, state, params, inv_scale, extra_args)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite import distributed
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
 from jmp_lite.policy import Policy, get_policy
@@ -122,8 +123,14 @@ def value_and_grad(
   """
   if policy is not None:
     policy = get_policy(policy)
+  axis_name = ls_lib.check_axis_name(axis_name, "value_and_grad")
 
   def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(), **kwargs):
+    if not isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
+                                   ls_lib.DynamicLossScale)):
+      raise TypeError(
+          "value_and_grad: loss_scale must be a jmp_lite loss scale, e.g. "
+          f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
     value, grads = _scaled_value_and_grad(
         fun, argnums, has_aux, policy, loss_scale)(*args, **kwargs)
     grads = loss_scale.unscale(grads)
@@ -177,10 +184,12 @@ class TrainState(flax.struct.PyTreeNode):
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
   opt_state: optax.OptState = flax.struct.field(pytree_node=True)
   policy: Optional[Policy] = flax.struct.field(pytree_node=False, default=None)
+  axis_name: ls_lib.AxisName = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, loss_scale=None, policy=None,
-             clip_norm=None, accumulate_steps=1, **kwargs) -> "TrainState":
+             clip_norm=None, accumulate_steps=1, axis_name=None,
+             **kwargs) -> "TrainState":
     """Creates a state: params cast to the policy's param dtype, ``tx`` wrapped.
 
     Args:
@@ -191,6 +200,9 @@ class TrainState(flax.struct.PyTreeNode):
       policy: optional policy; ``minimize`` casts params to its compute dtype.
       clip_norm: passed to `jmp_lite.optax.with_loss_scale`.
       accumulate_steps: passed to `jmp_lite.optax.with_loss_scale`.
+      axis_name: for ``minimize`` under ``shard_map``: the data-parallel mesh
+        axis (or axes). Gradients are then averaged across it in the policy's
+        ``reduce_dtype`` (float32 by default) and replicas agree on a skip.
       **kwargs: further fields of a subclass.
     """
     policy = get_policy(policy) if policy is not None else None
@@ -198,10 +210,12 @@ class TrainState(flax.struct.PyTreeNode):
       params = policy.cast_to_param(params)
     if loss_scale is None:
       loss_scale = ls_lib.NoOpLossScale()
-    tx = jo.with_loss_scale(tx, loss_scale,
-                            clip_norm=clip_norm, accumulate_steps=accumulate_steps)
+    axis_name = ls_lib.check_axis_name(axis_name, "TrainState.create")
+    tx = jo.with_loss_scale(tx, loss_scale, clip_norm=clip_norm,
+                            accumulate_steps=accumulate_steps, axis_name=axis_name)
     return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params,
-               tx=tx, opt_state=tx.init(params), policy=policy, **kwargs)
+               tx=tx, opt_state=tx.init(params), policy=policy,
+               axis_name=axis_name, **kwargs)
 
   @property
   def loss_scale(self) -> ls_lib.LossScale:
@@ -236,8 +250,15 @@ class TrainState(flax.struct.PyTreeNode):
     Returns:
       The new state and a `StepInfo`.
     """
+    params = self.params
+    if self.axis_name is not None:
+      # Per-device gradients, so that JAX does not sum them itself in the
+      # compute dtype; reduce_gradients averages them in reduce_dtype.
+      params = distributed.mark_varying(params, self.axis_name)
     value, grads = _scaled_value_and_grad(
-        loss_fn, 0, has_aux, self.policy, self.loss_scale)(self.params, *args, **kwargs)
+        loss_fn, 0, has_aux, self.policy, self.loss_scale)(params, *args, **kwargs)
+    if self.axis_name is not None:
+      grads = distributed.reduce_gradients(grads, self.axis_name, policy=self.policy)
     loss, aux = value if has_aux else (value, None)
     used_scale = self.loss_scale.loss_scale
     new = self.apply_gradients(grads=grads)

@@ -264,7 +264,7 @@ def test_get_loss_scale_errors():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(loss_scale=2.0), "loss_scale must be a jmp_lite loss scale, got 2.0"),
-    (dict(loss_scale=jmp_lite.NoOpLossScale(), clip_norm=0.0), "clip_norm must be > 0, got 0.0"),
+    (dict(loss_scale=jmp_lite.NoOpLossScale(), clip_norm=0.0), "clip_norm must be > 0 and finite, got 0.0"),
     (dict(loss_scale=jmp_lite.NoOpLossScale(), accumulate_steps=0), "got 0"),
     (dict(loss_scale=jmp_lite.NoOpLossScale(), accumulate_steps=1.5), "got 1.5"),
 ])

@@ -1,0 +1,218 @@
+"""Data parallelism under ``shard_map`` and ``pmap``: gradient averaging in the policy's reduce dtype.
+
+Under ``jax.jit`` with sharded arrays (``NamedSharding``), jmp_lite needs no
+help: ``all_finite``, `jmp_lite.value_and_grad` and
+`jmp_lite.optax.with_loss_scale` see global arrays, so the finiteness decision
+is global and the loss-scale state stays replicated. Under ``shard_map`` and
+``pmap`` each device sees its own shard, and two things must be explicit:
+
+* the gradient all-reduce, done here by `reduce_gradients` in
+  ``policy.reduce_dtype`` (float32 by default), never in the compute dtype;
+* the skip decision, reduced with ``axis_name`` by `jmp_lite.all_finite`,
+  `jmp_lite.value_and_grad` and `jmp_lite.optax.with_loss_scale`. After
+  `reduce_gradients` it is global already: a NaN on one replica is in the
+  average everywhere.
+
+One trap is JAX's own: inside ``shard_map`` (with ``check_vma=True``, the
+default), ``jax.grad`` with respect to replicated parameters inserts an
+all-reduce (a sum, not a mean) wherever the replicated value meets per-device
+data, in whatever dtype the parameters have there: the compute dtype, after
+``policy.cast_to_compute``. `mark_varying` turns that off, so the gradients
+stay per-device until `reduce_gradients` averages them::
+
+    def step(params, opt_state, batch):           # inside shard_map
+      scale = jmp_lite.optax.get_loss_scale(opt_state)
+      loss_fn = lambda p: scale.scale(loss(policy.cast_to_compute(p), batch))
+      grads = jax.grad(loss_fn)(mark_varying(params, "data"))
+      grads = reduce_gradients(grads, "data", policy=policy)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite.policy import Policy, get_policy, is_low_bit_float
+
+T = TypeVar("T")
+AxisName = Union[str, Sequence[str]]
+
+
+def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
+  """``axis_name`` as a non-empty tuple of names, or a TypeError showing it."""
+  axes = (axis_name,) if isinstance(axis_name, str) else axis_name
+  if (not isinstance(axes, (tuple, list)) or not axes
+      or not all(isinstance(a, str) and a for a in axes)):
+    raise TypeError(
+        f"{what}: axis_name must be a mesh axis name or a non-empty tuple of "
+        f"them, got {axis_name!r}.")
+  return tuple(axes)
+
+
+def _varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` varies over (empty where JAX does not track them)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax >= 0.9
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))  # jax 0.6 to 0.8
+
+
+def _tracks_varying(axes: tuple[str, ...]) -> bool:
+  """Whether JAX tracks per-device variation here (``shard_map(check_vma=True)``).
+
+  ``axis_index`` varies over its axis by definition; under ``pmap`` and
+  ``shard_map(check_vma=False)`` nothing is tracked and it reports no axes.
+  """
+  return all(a in _varying_axes(jax.lax.axis_index(a)) for a in axes)
+
+
+def _is_floating(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def mark_varying(tree: T, axis_name: AxisName) -> T:
+  """Marks replicated values as per-device, so ``jax.grad`` leaves gradients unreduced.
+
+  Inside ``shard_map``, differentiating with respect to a replicated
+  (invariant) argument makes JAX sum the gradient across devices itself, in
+  the dtype the value has where it meets sharded data (the compute dtype).
+  Differentiate with respect to ``mark_varying(params, axis_name)`` instead,
+  then average with `reduce_gradients`. Leaves already varying over an axis,
+  and everything under ``pmap`` or ``shard_map(check_vma=False)`` (where
+  gradients are per-device anyway), are returned unchanged.
+
+  Args:
+    tree: a pytree, typically the parameters.
+    axis_name: the mesh axis name, or a tuple of names.
+
+  Raises:
+    TypeError: if ``axis_name`` is not a name or a tuple of names.
+  """
+  axes = _axes(axis_name, "mark_varying")
+
+  def mark(x):
+    if not hasattr(x, "dtype"):
+      return x
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    if not missing or not _tracks_varying(missing):
+      return x
+    cast = getattr(jax.lax, "pcast", None)
+    if cast is not None:
+      return cast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # jax < 0.9
+
+  return jax.tree_util.tree_map(mark, tree)
+
+
+def reduce_gradients(
+    grads: T,
+    axis_name: AxisName,
+    *,
+    policy: Optional[Union[Policy, str]] = None,
+    mean: bool = True,
+) -> T:
+  """Averages per-device gradients across mesh axes in ``policy.reduce_dtype``.
+
+  For use inside ``shard_map`` or ``pmap``. Each floating leaf is cast to the
+  reduce dtype, all-reduced (``pmean``, or ``psum`` with ``mean=False``) over
+  ``axis_name``, and cast to ``policy.param_dtype``; without a policy the
+  reduction runs in float32 (float64 for float64 leaves) and each leaf keeps
+  its dtype. Non-floating leaves pass through. A non-finite value on any
+  device is non-finite in the result on every device, so a finiteness check
+  after this call is global.
+
+  Scaled gradients (from ``loss_scale.scale(loss)``) can be reduced as they
+  are: averaging never grows a value beyond the largest operand, so it cannot
+  overflow where the local gradients did not.
+
+  Args:
+    grads: per-device gradients (see `mark_varying` for ``shard_map``).
+    axis_name: the mesh axis (for data parallelism, the batch axis), or a
+      tuple of axes reduced together.
+    policy: a `jmp_lite.Policy` or policy string; its ``reduce_dtype`` is the
+      dtype of the all-reduce and its ``param_dtype`` the result's.
+    mean: average (the default) or sum.
+
+  Returns:
+    ``grads`` reduced over ``axis_name``, identical on every device.
+
+  Raises:
+    TypeError: if ``axis_name`` is not a name or tuple of names.
+    ValueError: if a floating leaf was already reduced by JAX over one of
+      the axes (it is invariant there: ``jax.grad`` was taken with respect to
+      replicated parameters inside ``shard_map``); the message names the leaf
+      and the fix, `mark_varying`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from jmp_lite.distributed import reduce_gradients
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> grads = jax.device_put(jnp.ones((jax.device_count(), 3), jnp.bfloat16),
+    ...                        NamedSharding(mesh, P("data")))
+    >>> f = jax.shard_map(
+    ...     lambda g: reduce_gradients(g, "data", policy="p=f32,c=bf16,o=f32"),
+    ...     mesh=mesh, in_specs=P("data"), out_specs=P())
+    >>> f(grads)
+    Array([[1., 1., 1.]], dtype=float32)
+  """
+  axes = _axes(axis_name, "reduce_gradients")
+  if policy is not None:
+    policy = get_policy(policy)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  tracked = None  # probed once, on the first floating leaf
+
+  out = []
+  for path, g in leaves:
+    if not _is_floating(g):
+      out.append(g)
+      continue
+    g = jnp.asarray(g)
+    if tracked is None:
+      tracked = _tracks_varying(axes)
+    if tracked:
+      invariant = [a for a in axes if a not in _varying_axes(g)]
+      if invariant:
+        raise ValueError(
+            f"reduce_gradients: gradient {jax.tree_util.keystr(path) or '(root)'} "
+            f"({g.dtype.name}{list(g.shape)}) is already reduced over "
+            f"{tuple(invariant)}: JAX summed it across devices itself, in the "
+            "dtype the parameter had where it met sharded data, because it was "
+            "differentiated with respect to a replicated value. Differentiate "
+            "with respect to jmp_lite.distributed.mark_varying(params, "
+            f"{axis_name!r}) instead.")
+    if policy is not None:
+      reduce_dtype = policy.reduce_dtype
+      out_dtype = g.dtype if is_low_bit_float(g.dtype) else policy.param_dtype
+    else:
+      reduce_dtype = np.dtype(np.float64 if g.dtype == np.float64 else np.float32)
+      out_dtype = g.dtype
+    r = g.astype(reduce_dtype)
+    r = jax.lax.pmean(r, axes) if mean else jax.lax.psum(r, axes)
+    out.append(r.astype(out_dtype))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def is_replicated_everywhere(tree: Any) -> bool:
+  """Whether every array leaf holds bitwise-identical data on every device.
+
+  For checking, outside ``jit``, that the loss-scale state (or anything that
+  must agree across replicas) did not diverge: compares the raw bytes of each
+  addressable shard of each fully replicated leaf. Leaves that are sharded
+  (not fully replicated) make it False.
+  """
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if not isinstance(leaf, jax.Array):
+      continue
+    if not leaf.sharding.is_fully_replicated:
+      return False
+    blobs = {np.asarray(s.data).tobytes() for s in leaf.addressable_shards}
+    if len(blobs) > 1:
+      return False
+  return True
