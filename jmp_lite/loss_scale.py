@@ -56,9 +56,19 @@ def _is_floating(x: Any) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _jax_dtype(dtype) -> np.dtype:
+  """The dtype JAX gives an array of ``dtype``: float32 for NumPy float64 without x64.
+
+  Requesting float64 explicitly without x64 warns (an error under the test
+  suite's warning filter), so NumPy float64 leaves are treated as what
+  ``jnp.asarray`` turns them into.
+  """
+  return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
 def _wide(dtype) -> np.dtype:
   """float32, or float64 for float64 inputs: where scaling arithmetic happens."""
-  return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+  return np.dtype(np.float64) if _jax_dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 def _multiply(tree: T, factor: jax.Array) -> T:
@@ -73,6 +83,7 @@ def _multiply(tree: T, factor: jax.Array) -> T:
       return x * factor
     if not _is_floating(x):
       return x
+    x = jnp.asarray(x)
     wide = _wide(x.dtype)
     return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
 
@@ -87,7 +98,10 @@ def _as_scalar(value: Any, dtype, name: str, *, warn_non_floating: bool = False)
   """
   value_dtype = getattr(value, "dtype", None)
   if value_dtype is None:
-    value_dtype = jax.eval_shape(lambda: value).dtype
+    try:
+      value_dtype = jax.eval_shape(lambda: value).dtype
+    except OverflowError as e:  # A Python int beyond int32/int64.
+      raise ValueError(f"{name} is out of range: {value!r}") from e
   if warn_non_floating and not jnp.issubdtype(value_dtype, jnp.floating):
     warnings.warn(f"Expected floating type for {name}, got {value_dtype}")
   shape = np.shape(value)
@@ -99,8 +113,18 @@ def _as_scalar(value: Any, dtype, name: str, *, warn_non_floating: bool = False)
   if jnp.issubdtype(dtype, jnp.integer):
     if not (np.isfinite(host) and float(host) == int(host)):
       raise ValueError(f"{name} must be a whole number, got {value!r}")
+    info = np.iinfo(dtype)
+    if not info.min <= int(host) <= info.max:
+      raise ValueError(f"{name} must fit in {np.dtype(dtype).name}, got {value!r}")
     return jnp.asarray(int(host), dtype), int(host)
-  return jnp.asarray(host, dtype), float(host)
+  # Check the value that is stored: 1e39 is finite in Python but not in float32.
+  with np.errstate(over="ignore", under="ignore"):
+    stored = host.astype(dtype)
+  if (np.isfinite(host) and not np.isfinite(stored)) or (host != 0 and stored == 0):
+    raise ValueError(
+        f"{name}={value!r} is not representable in {np.dtype(dtype).name} "
+        f"(it becomes {stored}).")
+  return jnp.asarray(stored, dtype), float(stored)
 
 
 def _check_positive_finite(value: Optional[float], name: str, *, allow_zero=False):
@@ -326,7 +350,11 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
     >>> bool(jmp_lite.all_finite({"a": jnp.ones(3), "b": jnp.array([jnp.nan])}))
     False
   """
-  leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_floating(x)]
+  axis_name = check_axis_name(axis_name, "all_finite")
+  # Python floats count, as in jmp (where `jnp.isfinite(float("nan"))` is False).
+  leaves = [jnp.asarray(x) if isinstance(x, float) else x
+            for x in jax.tree_util.tree_leaves(tree)]
+  leaves = [x for x in leaves if _is_floating(x)]
   if not leaves:
     finite = jnp.array(True)
   else:
@@ -335,11 +363,14 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
       return jnp.isfinite(jnp.sum(jnp.stack(sums)))
 
     def exact():
-      zeros = [jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32)
+      zeros = [jnp.sum(x * jnp.zeros((), _jax_dtype(x.dtype)), dtype=jnp.float32)
                for x in leaves]
       return jnp.isfinite(jnp.sum(jnp.stack(zeros)))
 
-    finite = jax.lax.cond(fast(), lambda: jnp.array(True), exact)
+    # The true branch returns `ok` (True) rather than a constant so that both
+    # branches have the same varying manual axes under `shard_map`.
+    ok = fast()
+    finite = jax.lax.cond(ok, lambda: ok, exact)
   if axis_name is not None:
     bad = jax.lax.psum((~finite).astype(jnp.int32), axis_name)
     finite = bad == 0
@@ -356,12 +387,19 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
   """
   pred = check_flag(pred, "select_tree(pred)")
   a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
-  b_leaves, b_def = jax.tree_util.tree_flatten(b)
+  b_leaves, b_def = jax.tree_util.tree_flatten_with_path(b)
   if a_def != b_def:
+    keystr = jax.tree_util.keystr
+    a_paths = [keystr(p) or "(root)" for p, _ in a_leaves] + ["(nothing)"]
+    b_paths = [keystr(p) or "(root)" for p, _ in b_leaves] + ["(nothing)"]
+    where = next(((p, q) for p, q in zip(a_paths, b_paths) if p != q), None)
+    where = (f" at leaf {where[0]} in a, {where[1]} in b" if where
+             else " (same leaf paths, different node types)")
     raise ValueError(
-        f"select_tree: the two trees differ in structure:\n  a: {a_def}\n  b: {b_def}")
+        f"select_tree: the two trees differ in structure{where}:\n"
+        f"  a: {a_def}\n  b: {b_def}")
   out = []
-  for (path, x), y in zip(a_leaves, b_leaves):
+  for (path, x), (_, y) in zip(a_leaves, b_leaves):
     sx, sy = jax.eval_shape(lambda: x), jax.eval_shape(lambda: y)
     if (sx.shape, sx.dtype) != (sy.shape, sy.dtype):
       raise ValueError(
@@ -369,3 +407,16 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
           f"{sx.dtype}{list(sx.shape)} in a but {sy.dtype}{list(sy.shape)} in b.")
     out.append(jax.lax.select(pred, x, y))
   return jax.tree_util.tree_unflatten(a_def, out)
+
+
+def check_axis_name(axis_name: AxisName, what: str) -> AxisName:
+  """Returns ``axis_name`` (None, a name, or a tuple of names), or raises showing it."""
+  if axis_name is None:
+    return None
+  axes = (axis_name,) if isinstance(axis_name, str) else axis_name
+  if (not isinstance(axes, (tuple, list)) or not axes
+      or not all(isinstance(a, str) and a for a in axes)):
+    raise TypeError(
+        f"{what}: axis_name must be a mesh axis name or a tuple of them, got "
+        f"{axis_name!r}.")
+  return axes[0] if len(axes) == 1 else tuple(axes)

@@ -38,16 +38,21 @@ DTypeLike = Any
 
 def _canonical(dtype: DTypeLike, what: str) -> np.dtype:
   """Returns ``dtype`` as a floating `np.dtype`, or raises naming ``what``."""
+  # `jnp.dtype(None)` is the default float and numpy parses some strings (",")
+  # as record formats, raising SyntaxError.
   try:
+    if dtype is None:
+      raise TypeError("None is not a dtype")
     dt = np.dtype(jnp.dtype(dtype))
-  except TypeError as e:
+  except (TypeError, ValueError, SyntaxError) as e:
     raise ValueError(f"{what}: {dtype!r} is not a dtype.") from e
   if not jnp.issubdtype(dt, jnp.floating):
     raise ValueError(
         f"{what} must be a floating dtype, got {dtype!r} ({dt.name}). A policy"
         " casts floating-point values only; integer and bool leaves are never"
         " cast.")
-  return dt
+  # JAX arrays are native-endian; '>f4' must equal (and print as) float32.
+  return dt.newbyteorder("=")
 
 
 def is_low_bit_float(dtype: DTypeLike) -> bool:
@@ -199,14 +204,16 @@ def dtype_name(dtype: DTypeLike) -> str:
   return dtype_to_names[dt][0] if dt in dtype_to_names else dt.name
 
 
-def half_dtype() -> np.dtype:
+def half_dtype() -> Any:
   """Returns jmp's half precision dtype: bfloat16 on TPU, float16 elsewhere.
 
-  Kept for compatibility with jmp. `preferred_half_dtype` is the better
-  default on current hardware.
+  Kept for compatibility with jmp, so it returns the same object jmp does
+  (``jnp.float16`` or ``jnp.bfloat16``), which jmp's README calls:
+  ``jmp.half_dtype()(2 ** 15)``. `preferred_half_dtype` is the better default
+  on current hardware.
   """
   on_tpu = jax.local_devices()[0].platform == "tpu"
-  return np.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
+  return jnp.bfloat16 if on_tpu else jnp.float16
 
 
 def preferred_half_dtype() -> np.dtype:
@@ -241,14 +248,14 @@ def parse_dtype(value: str) -> np.dtype:
   """
   value = value.strip().lower()
   if value == "half":
-    return half_dtype()
+    return np.dtype(half_dtype())
   if value in name_to_dtype:
     return np.dtype(name_to_dtype[value])
   try:
     dt = np.dtype(jnp.dtype(value))
     if jnp.issubdtype(dt, jnp.floating):
-      return dt
-  except TypeError:
+      return dt.newbyteorder("=")
+  except (TypeError, ValueError, SyntaxError):  # numpy raises SyntaxError for ",".
     pass
   raise ValueError(
       f"Unknown dtype '{value}' must be full, half or one of "
