@@ -9,6 +9,8 @@ from jmp_lite import distributed
 from jmp_lite import flax
 from jmp_lite import optax
 from jmp_lite import testing
+from jmp_lite.auditing import audit
+from jmp_lite.autocasting import autocast
 from jmp_lite.loss_scale import all_finite
 from jmp_lite.loss_scale import DynamicLossScale
 from jmp_lite.loss_scale import LossScale
@@ -31,6 +33,8 @@ __version__ = "0.1.0"
 
 __all__ = (
     "all_finite",
+    "audit",
+    "autocast",
     "DynamicLossScale",
     "LossScale",
     "NoOpLossScale",

@@ -1,0 +1,416 @@
+"""A static precision audit: what dtypes a step really runs its numerics in.
+
+`audit` traces a function with ``jax.make_jaxpr`` (nothing is computed or
+compiled) and lists every precision-relevant equation, including those inside
+``scan``/``while``/``cond`` bodies, custom derivatives, checkpoints and
+``shard_map``:
+
+========== ==================================================================
+category   primitives
+========== ==================================================================
+matmul     ``dot_general``, ``ragged_dot_general``
+conv       ``conv_general_dilated``
+reduction  ``reduce_sum``/``_prod``/``_max``/``_min``, ``cumsum``/``cumprod``/
+           ``cumlogsumexp``/``cummax``/``cummin``, ``reduce_window_sum``
+exp_log    ``exp``, ``exp2``, ``expm1``, ``log``, ``log1p``, ``logistic``,
+           ``pow``, ``rsqrt``, ``erf_inv``
+collective ``psum``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
+           ``ppermute``, ``pmax``, ``pmin`` (and their variants)
+convert    ``convert_element_type`` that changes a floating dtype
+========== ==================================================================
+
+Each row has the operand, accumulation and output dtypes, the user source line
+and the sub-jaxpr path, and the flags of likely mistakes it shows:
+
+* ``half_reduction``: a sum, product or cumulative sum accumulating in 16 bits
+  over at least ``min_reduction_size`` (16) elements per output.
+* ``half_exp_log``: an exp/log-family op (softmax, log-softmax, logsumexp,
+  normalisation's ``rsqrt``) producing 16-bit results.
+* ``f32_matmul``: a matmul or convolution with a 32/64-bit operand (so it runs
+  at that width) while ``policy`` asks for 16-bit compute (its
+  ``autocast_dtype``, else its ``compute_dtype``). Only with ``policy=``.
+* ``half_all_reduce``: a ``psum``/``reduce_scatter`` of 16-bit values: every
+  device's rounding error is summed (jax-ml/jax#27496).
+* ``convert_round_trip``: ``x: a -> b -> a`` inside a loop body, paid on every
+  iteration (and lossy when ``b`` is narrower).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Union
+
+import jax
+import jax.extend as jex
+import numpy as np
+from jax._src import source_info_util
+
+from jmp_lite.policy import Policy, dtype_name, get_policy, parse_dtype
+
+_core = jex.core
+
+HALF_REDUCTION = "half_reduction"
+HALF_EXP_LOG = "half_exp_log"
+F32_MATMUL = "f32_matmul"
+HALF_ALL_REDUCE = "half_all_reduce"
+CONVERT_ROUND_TRIP = "convert_round_trip"
+FLAGS = (HALF_REDUCTION, HALF_EXP_LOG, F32_MATMUL, HALF_ALL_REDUCE,
+         CONVERT_ROUND_TRIP)
+
+MIN_REDUCTION_SIZE = 16
+
+_MATMUL = frozenset({"dot_general", "ragged_dot_general"})
+_CONV = frozenset({"conv_general_dilated"})
+_REDUCE_AXES = frozenset({"reduce_sum", "reduce_prod", "reduce_max",
+                          "reduce_min"})
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cumlogsumexp", "cummax",
+                         "cummin"})
+_SUM_LIKE = frozenset({"reduce_sum", "reduce_prod", "cumsum", "cumprod",
+                       "cumlogsumexp", "reduce_window_sum"})
+_EXP_LOG = frozenset({"exp", "exp2", "expm1", "log", "log1p", "logistic",
+                      "pow", "rsqrt", "erf_inv"})
+_ALL_REDUCE = frozenset({
+    "psum", "psum_invariant", "reduce_scatter", "unreduced_psum",
+    "unreduced_reduce_scatter", "psum_start", "psum_invariant_start",
+    "reduce_scatter_start", "unreduced_psum_start",
+    "unreduced_reduce_scatter_start"})
+_COLLECTIVE = _ALL_REDUCE | frozenset({
+    "pmax", "pmin", "all_gather", "all_gather_invariant",
+    "all_gather_reduced", "all_to_all", "ragged_all_to_all", "ppermute",
+    "pbroadcast", "all_gather_start", "all_to_all_start", "ppermute_start"})
+_LOOPS = frozenset({"scan", "while"})
+_TRANSPARENT = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_LABELS = {"scan": "scan", "remat2": "checkpoint",
+           "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp",
+           "shard_map": "shard_map"}
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+DTypeLike = Any
+
+
+def _category(name: str) -> Optional[str]:
+  if name in _MATMUL:
+    return "matmul"
+  if name in _CONV:
+    return "conv"
+  if name in _REDUCE_AXES or name in _CUMULATIVE or name == "reduce_window_sum":
+    return "reduction"
+  if name in _EXP_LOG:
+    return "exp_log"
+  if name in _COLLECTIVE:
+    return "collective"
+  if name == "convert_element_type":
+    return "convert"
+  return None
+
+
+def _is_float(dtype) -> bool:
+  return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
+
+
+def _is_half(dtype) -> bool:
+  return _is_float(dtype) and np.dtype(dtype).itemsize == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRow:
+  """One precision-relevant equation of a traced function.
+
+  Attributes:
+    primitive: the jaxpr primitive name (``"dot_general"``).
+    category: ``matmul``, ``conv``, ``reduction``, ``exp_log``,
+      ``collective`` or ``convert``.
+    operand_dtypes: dtypes of all operands, in order.
+    accumulation: the dtype the op accumulates in as written in the jaxpr:
+      ``preferred_element_type`` for matmuls and convolutions (their output
+      dtype when unset), the output dtype for reductions, None otherwise.
+      Backends may accumulate wider internally (GPUs and TPUs do for bf16).
+    output_dtypes: dtypes of all results.
+    operand_shapes: shapes of all operands.
+    reduced_size: elements combined into each output (reductions), else None.
+    source: ``file:line (function)`` of the user code that emitted the op.
+    path: the sub-jaxprs containing the op, outermost first, e.g.
+      ``("scan", "cond.branch1")``; ``()`` at top level.
+    in_loop: whether the op runs in a ``scan`` or ``while`` body.
+    flags: names of the likely mistakes this op shows (see module docstring).
+  """
+
+  primitive: str
+  category: str
+  operand_dtypes: tuple[np.dtype, ...]
+  accumulation: Optional[np.dtype]
+  output_dtypes: tuple[np.dtype, ...]
+  operand_shapes: tuple[tuple[int, ...], ...]
+  reduced_size: Optional[int]
+  source: str
+  path: tuple[str, ...]
+  in_loop: bool
+  flags: tuple[str, ...] = ()
+
+  @property
+  def float_operand_dtypes(self) -> tuple[np.dtype, ...]:
+    return tuple(d for d in self.operand_dtypes if _is_float(d))
+
+  @property
+  def signature(self) -> str:
+    """Floating operand dtypes and accumulation (or output), ``bf16->f32``."""
+    ins = list(dict.fromkeys(map(
+        dtype_name, self.float_operand_dtypes or self.operand_dtypes)))
+    out = self.accumulation if self.accumulation is not None else (
+        self.output_dtypes[0] if self.output_dtypes else None)
+    return f"{'+'.join(ins) or '-'}->{dtype_name(out) if out else '-'}"
+
+
+def _as_dtype(dtype: DTypeLike) -> np.dtype:
+  """Any dtype spelling, including jmp_lite's names (``"bf16"``)."""
+  return parse_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+
+
+def _matches(dtypes: Iterable[np.dtype], want: Optional[DTypeLike]) -> bool:
+  dtypes = [d for d in dtypes if _is_float(d)]
+  return want is None or (bool(dtypes) and
+                          all(d == _as_dtype(want) for d in dtypes))
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+  """The rows of an audit, with queries for tests.
+
+  Attributes:
+    rows: one `AuditRow` per precision-relevant equation, in program order
+      (a sub-jaxpr's rows come right after the rows before it).
+    policy: the policy the audit checked against, if any.
+  """
+
+  rows: tuple[AuditRow, ...]
+  policy: Optional[Policy] = None
+
+  @property
+  def flags(self) -> tuple[AuditRow, ...]:
+    """The flagged rows."""
+    return tuple(r for r in self.rows if r.flags)
+
+  def select(self, *,
+             primitive: Union[str, Iterable[str], None] = None,
+             category: Optional[str] = None,
+             operand_dtype: Optional[DTypeLike] = None,
+             accumulation: Optional[DTypeLike] = None,
+             output_dtype: Optional[DTypeLike] = None,
+             flag: Optional[str] = None,
+             in_loop: Optional[bool] = None) -> tuple[AuditRow, ...]:
+    """Rows matching every given criterion.
+
+    ``operand_dtype`` and ``output_dtype`` match rows whose floating operands
+    (outputs) *all* have that dtype. Dtypes may be given as in NumPy or by
+    jmp_lite's names (``"bf16"``).
+    """
+    if isinstance(primitive, str):
+      primitive = (primitive,)
+    if flag is not None and flag not in FLAGS:
+      raise ValueError(f"Unknown flag {flag!r}; flags are {FLAGS}.")
+    return tuple(
+        r for r in self.rows
+        if (primitive is None or r.primitive in primitive)
+        and (category is None or r.category == category)
+        and _matches(r.operand_dtypes, operand_dtype)
+        and (accumulation is None or r.accumulation == _as_dtype(accumulation))
+        and _matches(r.output_dtypes, output_dtype)
+        and (flag is None or flag in r.flags)
+        and (in_loop is None or r.in_loop == in_loop))
+
+  def count(self, **criteria) -> int:
+    """The number of rows `select` returns for ``criteria``."""
+    return len(self.select(**criteria))
+
+  def summary(self) -> dict[tuple[str, str], int]:
+    """Counts of ops by primitive and dtype signature (`AuditRow.signature`)."""
+    counts = collections.Counter((r.primitive, r.signature) for r in self.rows)
+    return dict(sorted(counts.items()))
+
+  def __str__(self) -> str:
+    header = ("#", "primitive", "operands", "acc", "out", "where", "source",
+              "flags")
+    lines = []
+    for i, r in enumerate(self.rows):
+      lines.append((
+          str(i), r.primitive,
+          ",".join(dtype_name(d) for d in r.operand_dtypes),
+          dtype_name(r.accumulation) if r.accumulation is not None else "",
+          ",".join(dtype_name(d) for d in r.output_dtypes),
+          "/".join(r.path), _short(r.source), ",".join(r.flags)))
+    widths = [max(len(row[c]) for row in [header, *lines])
+              for c in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [f"precision audit{f' (policy {self.policy})' if self.policy else ''}:"
+           f" {len(self.rows)} ops, {len(self.flags)} flagged",
+           fmt.format(*header).rstrip()]
+    out += [fmt.format(*line).rstrip() for line in lines]
+    out.append("summary:")
+    out += [f"  {prim:<20} {sig:<16} {n}"
+            for (prim, sig), n in self.summary().items()]
+    return "\n".join(out)
+
+
+def _short(source: str) -> str:
+  path, sep, rest = source.partition(":")
+  return os.path.basename(path) + sep + rest
+
+
+def _source(eqn) -> Optional[str]:
+  frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+  # jmp_lite's own frames (autocast, policy casts) say less than the caller's.
+  frame = next((f for f in frames
+                if not os.path.abspath(f.file_name).startswith(_PACKAGE_DIR)),
+               frames[0] if frames else None)
+  if frame is None:
+    return None
+  return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def _reduced_size(eqn) -> Optional[int]:
+  name = eqn.primitive.name
+  shape = eqn.invars[0].aval.shape
+  if name in _REDUCE_AXES:
+    return int(np.prod([shape[a] for a in eqn.params["axes"]], dtype=int))
+  if name in _CUMULATIVE:
+    return int(shape[eqn.params["axis"]])
+  if name == "reduce_window_sum":
+    return int(np.prod(eqn.params["window_dimensions"], dtype=int))
+  return None
+
+
+def _subjaxprs(eqn):
+  """Yields (label, jaxpr, is_loop_body) for each sub-jaxpr of ``eqn``."""
+  name = eqn.primitive.name
+  for key, value in eqn.params.items():
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for i, item in enumerate(items):
+      if isinstance(item, _core.ClosedJaxpr):
+        item = item.jaxpr
+      if not isinstance(item, _core.Jaxpr):
+        continue
+      if name in _TRANSPARENT:
+        label = None
+      elif name == "while":
+        label = "while." + key.replace("_jaxpr", "")
+      elif name == "cond":
+        label = f"cond.branch{i}"
+      else:
+        label = _LABELS.get(name, f"{name}.{key}")
+      yield label, item, name in _LOOPS
+
+
+class _Auditor:
+
+  def __init__(self, half_policy: bool, min_reduction_size: int):
+    self.half_policy = half_policy
+    self.min_reduction_size = min_reduction_size
+    self.rows: list[AuditRow] = []
+
+  def walk(self, jaxpr, path: tuple[str, ...], in_loop: bool, source: str):
+    converted_from: dict[Any, np.dtype] = {}  # var -> dtype before a convert
+    for eqn in jaxpr.eqns:
+      # Equations traced inside library code (jax.nn...) have no user frame:
+      # show the user line that called into it.
+      eqn_source = _source(eqn) or source
+      category = _category(eqn.primitive.name)
+      if category == "convert":
+        src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+        if src != dst and (_is_float(src) or _is_float(dst)):
+          before = converted_from.get(eqn.invars[0])
+          round_trip = (in_loop and before is not None and before == dst
+                        and _is_float(src))
+          self.add(eqn, category, path, in_loop, eqn_source,
+                   (CONVERT_ROUND_TRIP,) if round_trip else ())
+          converted_from[eqn.outvars[0]] = src
+      elif category is not None:
+        self.add(eqn, category, path, in_loop, eqn_source, ())
+      for label, sub, loop in _subjaxprs(eqn):
+        self.walk(sub, path + ((label,) if label else ()), in_loop or loop,
+                  eqn_source)
+
+  def add(self, eqn, category, path, in_loop, source, flags):
+    name = eqn.primitive.name
+    ins = tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
+    outs = tuple(np.dtype(v.aval.dtype) for v in eqn.outvars)
+    accumulation = None
+    if category in ("matmul", "conv"):
+      pref = eqn.params.get("preferred_element_type")
+      accumulation = np.dtype(pref) if pref is not None else outs[0]
+    elif category == "reduction":
+      accumulation = outs[0]
+    size = _reduced_size(eqn) if category == "reduction" else None
+    flags = list(flags)
+    if (name in _SUM_LIKE and _is_half(accumulation)
+        and size >= self.min_reduction_size):
+      flags.append(HALF_REDUCTION)
+    if category == "exp_log" and any(map(_is_half, outs)):
+      flags.append(HALF_EXP_LOG)
+    if (category in ("matmul", "conv") and self.half_policy
+        and any(_is_float(d) and d.itemsize >= 4 for d in ins)):
+      flags.append(F32_MATMUL)
+    if name in _ALL_REDUCE and any(map(_is_half, ins)):
+      flags.append(HALF_ALL_REDUCE)
+    self.rows.append(AuditRow(
+        primitive=name, category=category, operand_dtypes=ins,
+        accumulation=accumulation, output_dtypes=outs,
+        operand_shapes=tuple(tuple(v.aval.shape) for v in eqn.invars),
+        reduced_size=size, source=source, path=path, in_loop=in_loop,
+        flags=tuple(flags)))
+
+
+def audit(fun: Callable[..., Any], *args,
+          policy: Union[Policy, str, None] = None,
+          axis_env: Optional[Iterable[tuple[str, int]]] = None,
+          min_reduction_size: int = MIN_REDUCTION_SIZE,
+          **kwargs) -> AuditReport:
+  """Traces ``fun(*args, **kwargs)`` (without running it) and audits its dtypes.
+
+  Args:
+    fun: any traceable function: a loss, ``jax.grad`` of one, a jitted train
+      step, an `jmp_lite.autocast` function.
+    *args: arrays or ``jax.ShapeDtypeStruct`` s (only shapes and dtypes are
+      used).
+    policy: the policy the step is meant to follow (a `Policy` or a string
+      `jmp_lite.get_policy` parses). If its ``autocast_dtype`` (else its
+      ``compute_dtype``) is 16-bit, wide matmuls are flagged.
+    axis_env: ``(name, size)`` pairs for collectives over named axes outside a
+      ``shard_map`` (as in ``jax.make_jaxpr``).
+    min_reduction_size: smallest number of elements per output for which a
+      16-bit sum is flagged.
+    **kwargs: keyword arguments of ``fun``.
+
+  Returns:
+    An `AuditReport`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> def loss(w, x):
+    ...   logits = x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)
+    ...   logp = jax.nn.log_softmax(logits)
+    ...   return -jnp.mean(logp.astype(jnp.float32)) + jnp.mean(x @ w)
+    >>> w = jax.ShapeDtypeStruct((64, 10), jnp.float32)
+    >>> x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    >>> report = audit(loss, w, x, policy="p=f32,c=bf16,o=f32")
+    >>> report.count(primitive="dot_general", operand_dtype=jnp.bfloat16,
+    ...              accumulation=jnp.bfloat16)
+    1
+    >>> [(row.primitive, row.flags) for row in report.flags]
+    [('exp', ('half_exp_log',)), ('log', ('half_exp_log',)), ('dot_general', ('f32_matmul',))]
+    >>> report.summary()[("dot_general", "f32->f32")]
+    1
+  """
+  if policy is not None:
+    policy = get_policy(policy)
+  target = None
+  if policy is not None:
+    target = (policy.autocast_dtype if policy.autocast_dtype is not None
+              else policy.compute_dtype)
+  closed = jax.make_jaxpr(fun, axis_env=axis_env)(*args, **kwargs)
+  auditor = _Auditor(half_policy=target is not None and _is_half(target),
+                     min_reduction_size=min_reduction_size)
+  auditor.walk(closed.jaxpr, (), False, "unknown")
+  return AuditReport(rows=tuple(auditor.rows), policy=policy)

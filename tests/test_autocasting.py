@@ -1,0 +1,446 @@
+"""Tests of jmp_lite.autocast (jmp_lite/autocasting.py): op lists over the jaxpr, asserted through audit.
+
+Tolerances: a bfloat16 matmul rounds its inputs to 8 significant bits
+(relative error 2**-9 each); with float32 accumulation, a block's outputs of
+magnitude ~1 stay within 5e-2 absolute of float32 (observed ~1e-2), and
+gradients within 5e-2 relative to their largest entry.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jmp_lite
+from jmp_lite.auditing import audit
+from jmp_lite.autocasting import autocast, primitive_name
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+T, D, H, F = 16, 32, 4, 64  # sequence, model width, heads, MLP width.
+ATOL = 5e-2
+
+
+def layer_norm(x, scale, bias):
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+  return (x - mean) * lax.rsqrt(var + 1e-5) * scale + bias
+
+
+def attention(p, x):
+  q, k, v = (jnp.reshape(x @ p[n], (T, H, D // H)) for n in ("wq", "wk", "wv"))
+  logits = jnp.einsum("thd,shd->hts", q, k) / np.float32(np.sqrt(D // H))
+  weights = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("hts,shd->thd", weights, v)
+  return jnp.reshape(out, (T, D)) @ p["wo"]
+
+
+def block(p, x):
+  """A pre-norm transformer block in plain jax.numpy, x: [T, D]."""
+  x = x + attention(p, layer_norm(x, p["ln1_scale"], p["ln1_bias"]))
+  h = layer_norm(x, p["ln2_scale"], p["ln2_bias"]) @ p["w1"] + p["b1"]
+  return x + jax.nn.gelu(h) @ p["w2"] + p["b2"]
+
+
+def init_block(seed, layers=()):
+  """Parameters from NumPy (nothing to compile), stacked if ``layers``."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(
+      rng.standard_normal((*layers, *shape)) / np.sqrt(shape[0]), jnp.float32)
+  ones = lambda n: jnp.ones((*layers, n))
+  zeros = lambda n: jnp.zeros((*layers, n))
+  return {
+      "wq": normal(D, D), "wk": normal(D, D), "wv": normal(D, D),
+      "wo": normal(D, D), "w1": normal(D, F), "b1": zeros(F),
+      "w2": normal(F, D), "b2": zeros(D),
+      "ln1_scale": ones(D), "ln1_bias": zeros(D),
+      "ln2_scale": ones(D), "ln2_bias": zeros(D),
+  }
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_block(0)
+
+
+@pytest.fixture(scope="module")
+def x():
+  return jnp.asarray(np.random.default_rng(1).standard_normal((T, D)),
+                     jnp.float32)
+
+
+
+
+def loss(p, x):
+  return jnp.mean(jnp.square(block(p, x)))
+
+
+# float32 references, compiled once per module.
+ref_block = jax.jit(block)
+ref_loss = jax.jit(loss)
+ref_grad = jax.jit(jax.grad(loss))
+
+
+def assert_all_matmuls_bf16_f32(report):
+  matmuls = report.count(primitive="dot_general")
+  assert matmuls > 0
+  assert report.count(primitive="dot_general", operand_dtype=BF16,
+                      accumulation=F32) == matmuls, str(report)
+
+
+def test_transformer_block_matmuls_bf16_softmax_and_norm_f32(params, x):
+  report = audit(autocast(block, jnp.bfloat16), params, x, policy="O1")
+  assert report.count(primitive="dot_general") == 8  # q k v, 2 einsums, o, 2 MLP
+  assert_all_matmuls_bf16_f32(report)
+  # Softmax (max, exp, sum) and normalisation (mean, variance, rsqrt) in f32.
+  for prim in ("exp", "rsqrt", "reduce_max", "reduce_sum"):
+    assert report.count(primitive=prim) > 0, prim
+    assert report.count(primitive=prim, operand_dtype=F32,
+                        output_dtype=F32) == report.count(primitive=prim), prim
+  assert report.flags == (), str(report)
+
+
+def test_transformer_block_close_to_f32(params, x):
+  want = ref_block(params, x)
+  got = jax.jit(autocast(block, jnp.bfloat16))(params, x)
+  assert got.dtype == F32
+  np.testing.assert_allclose(got, want, atol=ATOL)
+  # bf16 really was used: the result is not bit-identical to float32.
+  assert not np.array_equal(got, want)
+
+
+def test_without_autocast_matmuls_are_f32(params, x):
+  report = audit(block, params, x, policy="O1")
+  assert report.count(primitive="dot_general", operand_dtype=F32) == 8
+  assert len(report.select(flag="f32_matmul")) == 8
+
+
+@pytest.mark.parametrize("policy, dtype", [
+    (jnp.bfloat16, BF16), (jnp.float16, F16), ("bf16", BF16),
+    ("O1", jmp_lite.preferred_half_dtype()), ("p=f32,c=f16,o=f32", F16),
+    (jmp_lite.Policy(F32, F32, F32, autocast_dtype=F16), F16),
+    (jmp_lite.Policy(F32, BF16, F32), BF16),
+])
+def test_compute_dtype_from_policy_or_dtype(params, x, policy, dtype):
+  report = audit(autocast(block, policy), params, x)
+  assert report.count(primitive="dot_general", operand_dtype=dtype,
+                      accumulation=F32) == 8
+
+
+def test_output_dtypes_are_those_of_fun():
+  def fun(a, b, n):
+    return {"f32": a @ a, "bf16": b * 2, "int": n + 1, "scalar": jnp.sum(a)}
+  args = (jnp.ones((4, 4)), jnp.ones((3,), jnp.bfloat16), jnp.arange(3))
+  want = jax.tree.map(lambda s: (s.shape, s.dtype), jax.eval_shape(fun, *args))
+  got = jax.tree.map(lambda s: (s.shape, s.dtype),
+                     jax.eval_shape(autocast(fun, jnp.bfloat16), *args))
+  assert got == want
+
+
+def test_kwargs_and_python_scalars():
+  fun = lambda x, *, scale: jnp.exp(x @ x) * scale
+  x = jnp.eye(3) * 0.5
+  np.testing.assert_allclose(autocast(fun, jnp.bfloat16)(x, scale=2.0),
+                             fun(x, scale=2.0), rtol=1e-2)
+
+
+def test_grad_of_autocast(params, x):
+  want = ref_grad(params, x)
+  got = jax.jit(jax.grad(autocast(loss, jnp.bfloat16)))(params, x)
+  for path, g, w in zip(jax.tree_util.tree_leaves_with_path(got),
+                        jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == F32, path
+    np.testing.assert_allclose(g, w, atol=ATOL * float(jnp.max(jnp.abs(w))),
+                               err_msg=str(path[0]))
+
+
+def test_autocast_of_grad_runs_backward_matmuls_in_bf16(params, x):
+  step = autocast(jax.value_and_grad(loss), jnp.bfloat16)
+  report = audit(step, params, x, policy="O1")
+  assert report.count(primitive="dot_general") == 24  # 8 forward, 16 backward
+  assert_all_matmuls_bf16_f32(report)
+  assert report.flags == (), str(report)
+  (value, grads), want_value, want_grads = (
+      jax.jit(step)(params, x), ref_loss(params, x), ref_grad(params, x))
+  np.testing.assert_allclose(value, want_value, rtol=ATOL)
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, atol=ATOL * float(jnp.max(jnp.abs(w))))
+
+
+def test_grad_of_autocast_backward_matmuls_take_f32_cotangents(params, x):
+  # Documented: differentiating the rewritten forward leaves backward matmuls
+  # with a float32 cotangent operand; the audit shows it.
+  report = audit(jax.grad(autocast(loss, jnp.bfloat16)), params, x,
+                 policy="O1")
+  assert report.count(primitive="dot_general", operand_dtype=BF16) == 8
+  assert len(report.select(primitive="dot_general", flag="f32_matmul")) == 16
+
+
+@pytest.mark.parametrize("order", ["vmap_of_autocast", "autocast_of_vmap"])
+def test_vmap(params, x, order):
+  xs = jnp.stack([x, -x, 2 * x])
+  batched = jax.vmap(block, in_axes=(None, 0))
+  if order == "vmap_of_autocast":
+    fun = jax.vmap(autocast(block, jnp.bfloat16), in_axes=(None, 0))
+  else:
+    fun = autocast(batched, jnp.bfloat16)
+  got = jax.jit(fun)(params, xs)
+  np.testing.assert_allclose(got, jax.jit(batched)(params, xs), atol=2 * ATOL)
+  assert_all_matmuls_bf16_f32(audit(fun, params, xs))
+
+
+def small_loss(w, x):
+  return jnp.mean(jax.nn.softmax(x @ w) * jnp.arange(4.0))
+
+
+def test_vmap_of_grad_of_autocast():
+  w = jnp.asarray(np.random.default_rng(5).standard_normal((8, 4)), jnp.float32)
+  xs = jnp.asarray(np.random.default_rng(6).standard_normal((3, 2, 8)),
+                   jnp.float32)
+  per_example = jax.jit(jax.vmap(jax.grad(autocast(small_loss, jnp.bfloat16)),
+                                 in_axes=(None, 0)))(w, xs)
+  want = jax.vmap(jax.grad(small_loss), in_axes=(None, 0))(w, xs)
+  assert per_example.shape == (3, 8, 4) and per_example.dtype == F32
+  np.testing.assert_allclose(per_example, want,
+                             atol=ATOL * float(jnp.max(jnp.abs(want))))
+
+
+def test_jit_in_either_order_compiles_once(params, x):
+  jitted = jax.jit(autocast(block, jnp.bfloat16))
+  for _ in range(3):
+    out = jitted(params, x)
+  assert jitted._cache_size() == 1  # pylint: disable=protected-access
+  inner = autocast(jax.jit(block), jnp.bfloat16)
+  np.testing.assert_allclose(jax.jit(inner)(params, x), ref_block(params, x),
+                             atol=ATOL)
+  assert_all_matmuls_bf16_f32(audit(inner, params, x))
+
+
+def scan_model(stacked, x):
+  y, norms = lax.scan(lambda h, p: (block(p, h), jnp.sum(jnp.square(h))),
+                      x, stacked)
+  return jnp.mean(jnp.square(y)) + jnp.mean(norms) * 1e-3
+
+
+def test_scan_over_layers(x):
+  stacked = init_block(2, layers=(2,))
+  fast = autocast(scan_model, jnp.bfloat16)
+  report = audit(fast, stacked, x, policy="O1")
+  in_scan = report.select(primitive="dot_general", in_loop=True)
+  assert len(in_scan) == 8 and all(r.path == ("scan",) for r in in_scan)
+  assert_all_matmuls_bf16_f32(report)
+  assert report.flags == (), str(report)
+  np.testing.assert_allclose(jax.jit(fast)(stacked, x),
+                             jax.jit(scan_model)(stacked, x), rtol=ATOL)
+
+
+def test_grad_through_scan_over_layers(x):
+  def mlp_stack(ws, x):
+    return jnp.mean(lax.scan(lambda h, w: (jax.nn.gelu(h @ w), None), x, ws)[0])
+  ws = init_block(3, layers=(3,))["wq"]
+  want = jax.jit(jax.grad(mlp_stack))(ws, x)
+  got = jax.jit(jax.grad(autocast(mlp_stack, jnp.bfloat16)))(ws, x)
+  assert got.dtype == F32
+  np.testing.assert_allclose(got, want,
+                             atol=ATOL * float(jnp.max(jnp.abs(want))))
+
+
+@jax.custom_vjp
+def clipped_matmul(x, w):
+  return x @ w
+
+
+def _clipped_matmul_fwd(x, w):
+  return x @ w, (x, w)
+
+
+def _clipped_matmul_bwd(res, ct):
+  x, w = res
+  # A deliberately non-standard rule (gradient clipped to [-0.01, 0.01]), so
+  # the test can tell it from autodiff.
+  ct = jnp.clip(ct, -0.01, 0.01)
+  return ct @ w.T, x.T @ ct
+
+
+clipped_matmul.defvjp(_clipped_matmul_fwd, _clipped_matmul_bwd)
+
+
+@jax.custom_jvp
+def doubled_slope_tanh(x):
+  return jnp.tanh(x)
+
+
+@doubled_slope_tanh.defjvp
+def _doubled_slope_tanh_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return jnp.tanh(x), 2.0 * t
+
+
+def test_custom_vjp_inside_keeps_its_rule():
+  def fun(x, w):
+    return jnp.sum(jnp.exp(clipped_matmul(x, w)))
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+  w = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+  fast = autocast(fun, jnp.bfloat16)
+  report = audit(fast, x, w)
+  assert report.select(primitive="dot_general")[0].path == ("custom_vjp",)
+  assert_all_matmuls_bf16_f32(report)
+  # The custom rule (clipping) is what differentiates it, in either order.
+  want = jax.jit(jax.grad(fun, argnums=1))(x, w)
+  for grad_fn in (jax.grad(fast, argnums=1),
+                  autocast(jax.grad(fun, argnums=1), jnp.bfloat16)):
+    got = jax.jit(grad_fn)(x, w)
+    np.testing.assert_allclose(got, want, atol=ATOL * 0.01 * 8)
+  assert float(jnp.max(jnp.abs(want))) <= 0.01 * 8 + 1e-6
+  # The forward of the rule is autocast too when differentiated.
+  grad_report = audit(jax.grad(fast, argnums=1), x, w)
+  assert grad_report.count(primitive="dot_general", operand_dtype=BF16) >= 1
+
+
+def test_custom_jvp_inside_keeps_its_rule():
+  def fun(x, w):
+    return jnp.sum(doubled_slope_tanh(x @ w))
+  x, w = jnp.full((2, 3), 0.1), jnp.full((3, 2), 0.2)
+  fast = autocast(fun, jnp.bfloat16)
+  assert_all_matmuls_bf16_f32(audit(fast, x, w))
+  np.testing.assert_allclose(jax.grad(fast, argnums=1)(x, w),
+                             jnp.full((3, 2), 2 * 0.2), rtol=1e-2)
+  _, tangent = jax.jvp(fast, (x, w), (jnp.zeros_like(x), jnp.ones_like(w)))
+  np.testing.assert_allclose(tangent, 2 * 0.3 * 4, rtol=1e-2)
+
+
+def test_while_cond_and_checkpoint(params, x):
+  def fun(p, x):
+    h = lax.while_loop(lambda c: c[0] < 2,
+                       lambda c: (c[0] + 1, jnp.tanh(c[1] @ p["wq"])), (0, x))[1]
+    h = lax.cond(jnp.sum(h) > 0, lambda h: h @ p["wk"], lambda h: -h, h)
+    return jax.checkpoint(lambda h: jax.nn.softmax(h @ p["wv"]))(h)
+  fast = autocast(fun, jnp.bfloat16)
+  report = audit(fast, params, x)
+  paths = {r.path for r in report.select(primitive="dot_general")}
+  assert paths == {("while.body",), ("cond.branch1",), ("checkpoint",)}
+  assert_all_matmuls_bf16_f32(report)
+  assert report.select(primitive="exp")[0].output_dtypes == (F32,)
+  np.testing.assert_allclose(jax.jit(fast)(params, x),
+                             jax.jit(fun)(params, x), atol=1e-2)
+  grad = jax.grad(lambda p: jnp.sum(autocast(
+      lambda p, x: jax.checkpoint(lambda h: jnp.tanh(h @ p["wv"]))(x),
+      jnp.bfloat16)(p, x)))(params)
+  assert grad["wv"].dtype == F32
+
+
+def test_custom_white_and_black_lists():
+  def fun(x, w):
+    return jnp.tanh(x @ w) + jnp.exp(x @ w)
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 4)) * 0.1
+  default = audit(autocast(fun, jnp.bfloat16), x, w)
+  assert default.select(primitive="exp")[0].output_dtypes == (F32,)
+  # Paddle semantics: naming exp in the white list takes it off the black list.
+  custom = audit(autocast(fun, jnp.bfloat16, white_list=[lax.exp]), x, w)
+  assert custom.select(primitive="exp")[0].output_dtypes == (BF16,)
+  # And a black-listed matmul runs in float32.
+  black = audit(autocast(fun, jnp.bfloat16, black_list=["dot_general"]), x, w)
+  assert black.count(primitive="dot_general", operand_dtype=F32) == 2
+  tanh_white = jax.make_jaxpr(autocast(fun, jnp.bfloat16,
+                                       white_list=["tanh"]))(x, w)
+  tanh_eqn = next(e for e in tanh_white.eqns if e.primitive.name == "tanh")
+  assert tanh_eqn.outvars[0].aval.dtype == BF16
+
+
+def test_lists_accept_names_primitives_and_lax_functions():
+  assert primitive_name("exp") == "exp"
+  assert primitive_name(lax.exp) == "exp"
+  assert primitive_name(lax.dot_general) == "dot_general"
+  assert primitive_name(lax.conv) == "conv_general_dilated"
+  assert primitive_name(lax.reduce_sum) == "reduce_sum"
+  assert primitive_name(lax.cumsum) == "cumsum"
+  assert primitive_name(jax.extend.core.primitives.logistic_p) == "logistic"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("expp", "close matches: .*'exp'"),
+    (jnp.sum, "Cannot map"),
+    (lambda x: x, "Cannot map"),
+])
+def test_bad_list_entries_are_rejected(bad, match):
+  with pytest.raises(ValueError, match=match):
+    autocast(jnp.sin, jnp.bfloat16, white_list=[bad])
+
+
+def test_op_in_both_lists_is_rejected():
+  with pytest.raises(ValueError, match="both"):
+    autocast(jnp.sin, jnp.bfloat16, white_list=["exp"], black_list=[lax.exp])
+
+
+def test_non_floating_dtype_is_rejected():
+  with pytest.raises(ValueError, match="floating"):
+    autocast(jnp.sin, jnp.int8)
+
+
+def test_small_reductions_follow_large_ones_are_f32():
+  def fun(a):
+    h = a @ a  # bf16 (nominally) under autocast.
+    return lax.reduce_sum(h, axes=(0,)), lax.reduce_sum(h[:4], axes=(0,))
+  a = jnp.ones((32, 32))
+  report = audit(autocast(fun, jnp.bfloat16), a)
+  sums = report.select(primitive="reduce_sum")
+  assert [(r.reduced_size, r.accumulation) for r in sums] == [(32, F32),
+                                                             (4, BF16)]
+  report = audit(autocast(fun, jnp.bfloat16, min_reduction_size=2), a)
+  assert report.count(primitive="reduce_sum", accumulation=F32) == 2
+
+
+def test_scalars_do_not_upcast_half_precision():
+  fun = lambda a: (a @ a) * 2.0 + jnp.float32(1.0)
+  jaxpr = jax.make_jaxpr(autocast(fun, jnp.bfloat16))(jnp.ones((4, 4)))
+  mul = next(e for e in jaxpr.eqns if e.primitive.name == "mul")
+  assert mul.outvars[0].aval.dtype == BF16
+
+
+def test_bias_add_uses_the_f32_accumulator_without_round_trip():
+  fun = lambda x, w, b: x @ w + b
+  jaxpr = jax.make_jaxpr(autocast(fun, jnp.bfloat16))(
+      jnp.ones((2, 4)), jnp.ones((4, 3)), jnp.ones((3,)))
+  converts = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
+  assert [e.params["new_dtype"] for e in converts] == [BF16, BF16]
+  add = next(e for e in jaxpr.eqns if e.primitive.name == "add")
+  assert add.outvars[0].aval.dtype == F32
+
+
+def test_integer_and_fp8_matmuls_are_left_alone():
+  def fun(i, f8, w8):
+    return i @ i, lax.dot_general(f8, w8, (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+  args = (jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2), jnp.float8_e4m3fn),
+          jnp.ones((2, 2), jnp.float8_e4m3fn))
+  report = audit(autocast(fun, jnp.bfloat16), *args)
+  assert [r.operand_dtypes for r in report.select(primitive="dot_general")] == [
+      (np.dtype(jnp.int32),) * 2, (np.dtype(jnp.float8_e4m3fn),) * 2]
+
+
+def test_bf16_inputs_get_f32_exp_and_bf16_outputs():
+  fun = lambda x: jax.nn.softmax(x, axis=-1)
+  x = jnp.linspace(-3, 3, 64, dtype=jnp.bfloat16).reshape(2, 32)
+  fast = autocast(fun, jnp.bfloat16)
+  assert fast(x).dtype == BF16
+  assert audit(fast, x).select(primitive="exp")[0].operand_dtypes == (F32,)
+  np.testing.assert_allclose(fast(x).astype(F32),
+                             jax.nn.softmax(x.astype(F32)), atol=4e-3)
+
+
+def test_functools_wraps_keeps_name():
+  assert autocast(block, jnp.bfloat16).__name__ == "block"
+  assert autocast(functools.partial(block), jnp.bfloat16) is not None
+
+
+def test_convolution_is_white_listed():
+  def conv(x, k):
+    return jnp.mean(jax.nn.relu(lax.conv(x, k, (1, 1), "SAME")))
+  x, k = jnp.ones((2, 3, 8, 8)), jnp.ones((4, 3, 3, 3)) * 0.1
+  report = audit(autocast(conv, jnp.bfloat16), x, k)
+  (row,) = report.select(category="conv")
+  assert row.operand_dtypes == (BF16, BF16) and row.accumulation == F32
+  np.testing.assert_allclose(autocast(conv, jnp.bfloat16)(x, k), conv(x, k),
+                             rtol=1e-2)
