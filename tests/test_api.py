@@ -1,0 +1,120 @@
+"""Tests of jmp_lite's public surface: __all__, and jmp 0.0.4's names."""
+
+import inspect
+
+import jax.numpy as jnp
+import jmp
+import pytest
+
+import jmp_lite
+
+
+def test_every_name_in_all_resolves():
+  missing = [name for name in jmp_lite.__all__ if not hasattr(jmp_lite, name)]
+  assert not missing
+  assert all(isinstance(name, str) and not name.startswith("_")
+             for name in jmp_lite.__all__)
+
+
+def test_no_name_is_listed_twice():
+  seen, duplicates = set(), []
+  for name in jmp_lite.__all__:
+    if name in seen:
+      duplicates.append(name)
+    seen.add(name)
+  assert not duplicates
+
+
+def test_star_import_exports_exactly_all():
+  namespace = {}
+  exec("from jmp_lite import *", namespace)  # pylint: disable=exec-used
+  del namespace["__builtins__"]
+  assert sorted(namespace) == sorted(jmp_lite.__all__)
+
+
+def test_version():
+  assert isinstance(jmp_lite.__version__, str) and jmp_lite.__version__
+
+
+@pytest.mark.parametrize("name", jmp.__all__)
+def test_every_public_name_of_jmp_exists_in_jmp_lite(name):
+  assert name in jmp_lite.__all__
+  ours, theirs = getattr(jmp_lite, name), getattr(jmp, name)
+  # Same kind of object: class for class, function for function.
+  assert inspect.isclass(ours) == inspect.isclass(theirs)
+  assert callable(ours) == callable(theirs)
+  if inspect.isfunction(theirs):
+    # Every positional parameter of jmp's function is accepted under its name.
+    ours_params = inspect.signature(ours).parameters
+    for param in inspect.signature(theirs).parameters:
+      assert param in ours_params, (name, param)
+
+
+def test_jmp_has_the_names_we_think_it_has():
+  # Pins the jmp version this superset is checked against.
+  assert jmp.__version__ == "0.0.4"
+  assert set(jmp.__all__) == {
+      "all_finite", "DynamicLossScale", "LossScale", "NoOpLossScale", "select_tree",
+      "StaticLossScale", "cast_to_full", "cast_to_half", "get_policy",
+      "half_dtype", "Policy"}
+
+
+def test_constructor_and_method_names_of_jmp_classes_exist():
+  for cls in ("Policy", "NoOpLossScale", "StaticLossScale", "DynamicLossScale"):
+    ours, theirs = getattr(jmp_lite, cls), getattr(jmp, cls)
+    ours_params = inspect.signature(ours).parameters
+    for param in inspect.signature(theirs).parameters:
+      assert param in ours_params, (cls, param)
+    public = [n for n in dir(theirs) if not n.startswith("_")
+              and n not in ("tree_flatten", "tree_unflatten")]
+    for attr in public:
+      assert hasattr(ours, attr), (cls, attr)
+
+
+def test_loss_scale_union_covers_the_three_classes():
+  assert set(jmp_lite.LossScale.__args__) == {
+      jmp_lite.NoOpLossScale, jmp_lite.StaticLossScale, jmp_lite.DynamicLossScale}
+
+
+def test_jmp_readme_policy_example_runs_unchanged():
+  jmp_ = jmp_lite
+  half, full = jnp.float16, jnp.float32
+  my_policy = jmp_.Policy(compute_dtype=half, param_dtype=full, output_dtype=half)
+
+  def layer(params, x):
+    params, x = my_policy.cast_to_compute((params, x))
+    w, b = params
+    y = x @ w + b
+    return my_policy.cast_to_output(y)
+
+  params = (jnp.ones([3, 2], dtype=my_policy.param_dtype), jnp.zeros([2]))
+  y = layer(params, jnp.ones([4, 3]))
+  assert y.dtype == half
+  my_policy = my_policy.with_output_dtype(full)
+  assert layer(params, jnp.ones([4, 3])).dtype == full
+  assert jmp_.get_policy("float16") == jmp_.Policy(half, half, half)
+  assert jmp_.get_policy("half").compute_dtype == jmp_.half_dtype()
+
+
+def test_code_written_for_jmp_runs_unchanged():
+  # jmp's README example, with `import jmp_lite as jmp`.
+  jmp_ = jmp_lite
+  policy = jmp_.get_policy("params=float32,compute=float16,output=float32")
+  params = {"w": jnp.ones((3, 2)), "step": jnp.zeros((), jnp.int32)}
+  loss_scale = jmp_.DynamicLossScale(jmp_.half_dtype()(2 ** 15))
+
+  def loss_fn(params, x):
+    params = policy.cast_to_compute(params)
+    x = policy.cast_to_compute(x)
+    y = x @ params["w"]
+    return policy.cast_to_output(jnp.sum(y * y))
+
+  x = jnp.ones((4, 3))
+  loss = loss_scale.scale(loss_fn(params, x))
+  grads = loss_scale.unscale({"w": jnp.full((3, 2), 2.0)})
+  finite = jmp_.all_finite(grads)
+  loss_scale = loss_scale.adjust(finite)
+  params = jmp_.select_tree(finite, params, params)
+  assert loss.dtype == jnp.float32 and float(loss) == 72.0 * 2 ** 15
+  assert bool(finite) and int(loss_scale.counter) == 1
+  assert policy.param_dtype == jnp.float32 and policy.compute_dtype == jnp.float16
