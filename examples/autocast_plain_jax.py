@@ -32,9 +32,10 @@ import optax
 from jax import lax
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+from tqdm import tqdm
 
-from jmp_lite.auditing import audit
-from jmp_lite.autocasting import autocast
+from jmp_lite import audit
+from jmp_lite import autocast
 
 TOKENS, TOKEN_DIM, CLASSES = 8, 8, 10
 
@@ -115,10 +116,14 @@ def train(name, value_and_grad, data, args):
   loss.block_until_ready()
   compile_time = time.perf_counter() - start
   start = time.perf_counter()
-  for _ in range(args.steps - 1):
+  bar = tqdm(range(args.steps - 1), desc=f"{name:>9}", disable=args.no_progress,
+             dynamic_ncols=True)
+  for i in bar:
     idx = rng.integers(0, len(x_train), args.batch_size)
     params, opt_state, loss = step(params, opt_state, x_train[idx],
                                    y_train[idx])
+    if i % 25 == 0:  # reading the loss waits for the step: not every step
+      bar.set_postfix(loss=f"{float(loss):.4f}")
   loss.block_until_ready()
   step_ms = 1e3 * (time.perf_counter() - start) / max(args.steps - 1, 1)
   accuracy = float(np.mean(np.asarray(predict(params, x_test)) == y_test))
@@ -146,6 +151,7 @@ def main(argv=None):
                       help="skip printing the precision audit")
   parser.add_argument("--out-dir", type=pathlib.Path, default=None,
                       help="if given, write summary.json there")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   args = parser.parse_args(argv)
 
   digits = load_digits()
@@ -181,6 +187,7 @@ def main(argv=None):
     (args.out_dir / "summary.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()},
          "results": results}, indent=2))
+  print(json.dumps(results))
   return results
 
 

@@ -77,6 +77,7 @@ import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
+from jmp_lite._dot import dot_general_cotangents
 from jmp_lite._dot import dot_general_f32
 from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
@@ -199,10 +200,11 @@ _INLINED_CALLS = ("pjit", "jit", "closed_call", "core_call")
 def _accumulating_op(primitive, params, out_dtype):
   """``primitive`` on two narrow floats, accumulating in float32.
 
-  The backward pass is the primitive's own transpose, itself rewritten, so the
-  cotangent dots are narrow x narrow -> float32 too (JAX's transpose of a dot
-  with ``preferred_element_type=float32`` would multiply a float32 cotangent
-  by a narrow operand).
+  The backward pass accumulates in float32 too (JAX's transpose of a dot with
+  ``preferred_element_type=float32`` would multiply a float32 cotangent by a
+  narrow operand): a dot's cotangents are each one dot already in the
+  operand's layout (`dot_general_cotangents`), a convolution's come from its
+  own transpose, itself rewritten.
   """
   f32_params = dict(params, preferred_element_type=np.dtype(np.float32))
 
@@ -221,6 +223,10 @@ def _accumulating_op(primitive, params, out_dtype):
 
   def bwd(res, ct):
     lhs, rhs = res
+    if primitive.name == "dot_general":
+      d_lhs, d_rhs = dot_general_cotangents(
+          ct.astype(out_dtype), lhs, rhs, params["dimension_numbers"])
+      return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
     # Each operand's cotangent is a transpose of a linear map; unlike
     # `jax.vjp`, `jax.linear_transpose` leaves no dead forward op behind.
     by_lhs = jax.linear_transpose(

@@ -68,7 +68,11 @@ def _cast_floating_to(tree: T, dtype: DTypeLike) -> T:
   def cast(x):
     if not isinstance(x, (np.ndarray, jax.Array)):
       return x
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return x
+    # A weakly typed array (from a Python scalar) is made strong too: passed
+    # back into a jitted step, it would otherwise compile it a second time.
+    if x.dtype == dtype and not getattr(x, "weak_type", False):
       return x
     if is_low_bit_float(x.dtype) and not target_low_bit:
       return x

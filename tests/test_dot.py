@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmp_lite._dot import dot_general_f32
+from jmp_lite._dot import dot_general_cotangents, dot_general_f32
 
 CASES = [
     ((64, 128), (128, 32), (((1,), (0,)), ((), ()))),
@@ -37,3 +37,17 @@ def test_matches_float32_dot_general(lhs_shape, rhs_shape, dims, dtype):
   # It differentiates like dot_general.
   grads = jax.grad(lambda a, b: jnp.sum(dot_general_f32(a, b, dims)), (0, 1))(lhs, rhs)
   assert [g.dtype for g in grads] == [dtype, dtype]
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", CASES)
+def test_cotangents_match_jax_vjp(lhs_shape, rhs_shape, dims):
+  k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+  lhs = jax.random.normal(k1, lhs_shape)
+  rhs = jax.random.normal(k2, rhs_shape)
+  out, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dims), lhs, rhs)
+  ct = jax.random.normal(k3, out.shape)
+  ref_lhs, ref_rhs = vjp(ct)
+  d_lhs, d_rhs = dot_general_cotangents(ct, lhs, rhs, dims)
+  assert d_lhs.shape == lhs.shape and d_rhs.shape == rhs.shape
+  np.testing.assert_allclose(d_lhs, ref_lhs, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(d_rhs, ref_rhs, rtol=1e-5, atol=1e-4)

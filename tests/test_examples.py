@@ -43,7 +43,14 @@ def test_train_char_lm(tmp_path):
     assert r["val_loss"] < 5.0 and r["tokens_per_second"] > 0
 
 
-@pytest.mark.parametrize("script", ["train_digits.py", "train_char_lm.py"])
+def test_autocast_plain_jax(tmp_path):
+  summary, stdout = _run("autocast_plain_jax.py", tmp_path, "--steps", "30")
+  assert "with f32 accumulation, 0 flagged" in stdout
+  assert set(summary["results"]) == {"float32", "autocast"}
+
+
+@pytest.mark.parametrize("script", ["train_digits.py", "train_char_lm.py",
+                                    "autocast_plain_jax.py"])
 def test_help(script):
   out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"],
                        capture_output=True, text=True, timeout=120)

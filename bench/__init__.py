@@ -1,0 +1,1 @@
+"""jmp_lite's benchmark harness: ``python bench/run.py --help``."""
