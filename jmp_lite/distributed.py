@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite.loss_scale import check_axis_name
 from jmp_lite.policy import Policy, get_policy, is_low_bit_float
 
 T = TypeVar("T")
@@ -45,13 +46,11 @@ AxisName = Union[str, Sequence[str]]
 
 def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
   """``axis_name`` as a non-empty tuple of names, or a TypeError showing it."""
-  axes = (axis_name,) if isinstance(axis_name, str) else axis_name
-  if (not isinstance(axes, (tuple, list)) or not axes
-      or not all(isinstance(a, str) and a for a in axes)):
-    raise TypeError(
-        f"{what}: axis_name must be a mesh axis name or a non-empty tuple of "
-        f"them, got {axis_name!r}.")
-  return tuple(axes)
+  if axis_name is None:
+    raise TypeError(f"{what}: axis_name must be a mesh axis name or a non-empty "
+                    "tuple of them, got None.")
+  name = check_axis_name(axis_name, what)
+  return (name,) if isinstance(name, str) else tuple(name)
 
 
 def _varying_axes(x: Any) -> frozenset:

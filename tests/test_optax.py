@@ -1,6 +1,5 @@
 """Tests of jmp_lite.optax: with_loss_scale, get_loss_scale, accumulation, clipping."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,16 +10,6 @@ import pytest
 import jmp_lite
 from jmp_lite import optax as jo
 
-
-def standard_promotion(test):
-  """Runs ``test`` under standard promotion: optax's Adam computes
-  ``b1 ** count`` (a Python float to an int32 power), which strict promotion
-  rejects. jmp_lite's own code is checked strictly by the other tests."""
-  @functools.wraps(test)
-  def run(*args, **kwargs):
-    with jax.numpy_dtype_promotion("standard"):
-      return test(*args, **kwargs)
-  return run
 
 
 JIT = pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
@@ -100,7 +89,7 @@ def _adam_with_schedule():
 
 @JIT
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-@standard_promotion
+@pytest.mark.usefixtures("standard_promotion")
 def test_skip_freezes_the_whole_inner_state_and_params_bitwise(jit, bad):
   params = {"w": jnp.array([1.0, -0.0, 0.0, 3.0]), "b": jnp.zeros((2,), jnp.bfloat16)}
   tx = jo.with_loss_scale(_adam_with_schedule(), jmp_lite.DynamicLossScale(2.0 ** 8))
@@ -131,7 +120,7 @@ def test_skip_preserves_negative_zero_params():
   assert _bits(optax.apply_updates(params, updates)) == _bits(params)
 
 
-@standard_promotion
+@pytest.mark.usefixtures("standard_promotion")
 def test_never_applies_non_finite_updates_even_after_many_consecutive_overflows():
   params = {"w": jnp.arange(4.0)}
   # optax.apply_if_finite gives up after max_consecutive_errors; we never do.

@@ -1,6 +1,5 @@
 """Tests of jmp_lite.training: value_and_grad, TrainState, checkpoint resume."""
 
-import functools
 import os
 import subprocess
 import sys
@@ -15,16 +14,6 @@ import pytest
 
 import jmp_lite
 
-
-def standard_promotion(test):
-  """Runs ``test`` under standard promotion: optax's Adam computes
-  ``b1 ** count`` (a Python float to an int32 power), which strict promotion
-  rejects. jmp_lite's own code is checked strictly by the other tests."""
-  @functools.wraps(test)
-  def run(*args, **kwargs):
-    with jax.numpy_dtype_promotion("standard"):
-      return test(*args, **kwargs)
-  return run
 
 
 JIT = pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
@@ -143,7 +132,7 @@ def _train_step(state, x, poison):
 
 
 @JIT
-@standard_promotion
+@pytest.mark.usefixtures("standard_promotion")
 def test_train_state_minimize_skips_and_counts(jit):
   state = _state(policy="p=f32,c=bf16,o=f32")
   step = _maybe_jit(_train_step, jit)
@@ -180,7 +169,7 @@ def _run(state, n, start=0):
   return state
 
 
-@standard_promotion
+@pytest.mark.usefixtures("standard_promotion")
 def test_checkpoint_resume_is_bit_exact_in_a_fresh_process(tmp_path):
   straight = _run(_state(), 20)
   half = _run(_state(), 10)

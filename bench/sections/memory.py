@@ -102,6 +102,12 @@ def run(ctx: harness.Context) -> SectionResult:
     f32_res = None
     for v in variants_lib.VARIANTS:
       loss_fn = v.make_loss(w)
+      if v.value_and_grad is not jax.value_and_grad:
+        # The variant transforms the differentiated function as a whole (as
+        # autocast does): jax.vjp of its loss would show the f32 residuals.
+        residuals.add(model=w.name, variant=v.label,
+                      activations="n/a: differentiated inside its own transform")
+        continue
       if loss_fn is None:
         residuals.add(model=w.name, variant=v.label,
                       activations=f"unavailable: {v.unavailable}")
