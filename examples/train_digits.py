@@ -183,6 +183,12 @@ def main(argv=None):
     kib = (r["param_bytes"] + r["opt_state_bytes"]) / 1024
     print(f"{name:>16}  {r['test_accuracy']:8.4f}  {r['skipped_steps']:7d}  "
           f"{r['final_loss_scale']:11g}  {kib:14.1f}  {r['seconds']:7.1f}")
+  for name, r in results.items():
+    if r["skipped_steps"] or len(set(r["loss_scales"])) > 1:
+      changes = [(0, r["loss_scales"][0])] + [
+          (i, b) for i, (a, b) in enumerate(zip(r["loss_scales"], r["loss_scales"][1:]), 1)
+          if a != b]
+      print(f"{name} loss scale by step: " + ", ".join(f"{i}: {v:g}" for i, v in changes))
   summary = {
       "example": "train_digits", "steps": args.steps, "batch_size": args.batch_size,
       "seed": args.seed, "lr": args.lr, "backend": jax.default_backend(),
