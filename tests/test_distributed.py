@@ -42,7 +42,7 @@ def multidevice_results(tmp_path_factory):
   env.pop("JAX_PLATFORMS", None)
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", str(CHECKS), "-q", "-p", "no:cacheprovider",
-       "-p", "no:xdist", f"--junitxml={report}", "-o", "junit_family=xunit1"],
+       "-n", "0", f"--junitxml={report}", "-o", "junit_family=xunit1"],
       cwd=CHECKS.parent.parent, env=env, capture_output=True, text=True, timeout=600,
       check=False)
   if not report.exists():
