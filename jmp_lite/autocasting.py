@@ -99,6 +99,7 @@ from jax import lax
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 
+from jmp_lite import _jaxpr
 from jmp_lite._dot import canonicalize
 from jmp_lite.policy import Policy, get_policy
 
@@ -350,34 +351,11 @@ def _cast_to_aval(x, aval):
 
 
 def _eval_jaxpr(jaxpr, consts, args, rules: _Rules) -> list[Any]:
-  env: dict[Any, Any] = {}
-
-  def read(v):
-    return v.val if isinstance(v, _core.Literal) else env[v]
-
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    name_stack = (_source_info.current_name_stack()
-                  + eqn.source_info.name_stack)
-    # New equations keep the user's source line (used by `audit`).
-    with _source_info.user_context(eqn.source_info.traceback,
-                                   name_stack=name_stack), eqn.ctx.manager:
-      outs = _eval_eqn(eqn, invals, rules)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, _core.DropVar):
-        env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+  return _jaxpr.eval_jaxpr(jaxpr, consts, args,
+                           lambda eqn, invals: _eval_eqn(eqn, invals, rules))
 
 
-def _bind(eqn, vals, params=None):
-  params = eqn.params if params is None else params
-  return eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(params))
+_bind = _jaxpr.bind
 
 
 def _restore(eqn, invals):

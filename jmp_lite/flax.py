@@ -77,6 +77,7 @@ import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
+from jmp_lite import _jaxpr
 from jmp_lite._dot import dot_general_cotangents
 from jmp_lite._dot import dot_general_f32
 from jmp_lite.policy import get_policy
@@ -270,36 +271,20 @@ def _inline(eqn) -> bool:
           and any(map(has_narrow_matmul, _sub_jaxprs(eqn))))
 
 
+def _eval_rewritten_eqn(eqn, invals):
+  if _is_narrow_matmul(eqn):
+    out_dtype = eqn.outvars[0].aval.dtype
+    return _accumulating_op(eqn.primitive, eqn.params, out_dtype)(*invals)
+  if _inline(eqn):
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(closed, jex.core.ClosedJaxpr):
+      return _eval_rewritten(closed.jaxpr, closed.consts, *invals)
+    return _eval_rewritten(closed, (), *invals)
+  return _jaxpr.bind(eqn, invals)
+
+
 def _eval_rewritten(jaxpr, consts, *args):
-  env = {}
-
-  def read(v):
-    return v.val if isinstance(v, jex.core.Literal) else env[v]
-
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    if _is_narrow_matmul(eqn):
-      out_dtype = eqn.outvars[0].aval.dtype
-      outvals = [_accumulating_op(eqn.primitive, eqn.params, out_dtype)(*invals)]
-    elif _inline(eqn):
-      closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-      if isinstance(closed, jex.core.ClosedJaxpr):
-        outvals = _eval_rewritten(closed.jaxpr, closed.consts, *invals)
-      else:
-        outvals = _eval_rewritten(closed, (), *invals)
-    else:
-      bind_params = eqn.primitive.get_bind_params(eqn.params)
-      with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **bind_params)
-      outvals = out if eqn.primitive.multiple_results else [out]
-    for v, x in zip(eqn.outvars, outvals):
-      if not isinstance(v, jex.core.DropVar):
-        env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+  return _jaxpr.eval_jaxpr(jaxpr, consts, args, _eval_rewritten_eqn)
 
 
 def _accumulate_in_f32(fun: Callable[..., Any]) -> Callable[..., Any]:

@@ -53,6 +53,18 @@ from jmp_lite.rounding import kahan_summation
 from jmp_lite.rounding import stochastic_round
 from jmp_lite.rounding import with_state_dtype
 
+__all__ = (
+    "find_loss_scale_state",
+    "get_loss_scale",
+    "KahanState",
+    "kahan_summation",
+    "LossScaleState",
+    "stochastic_round",
+    "StochasticRoundState",
+    "with_loss_scale",
+    "with_state_dtype",
+)
+
 
 class LossScaleState(NamedTuple):
   """State of `with_loss_scale`.

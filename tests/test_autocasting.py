@@ -210,7 +210,7 @@ def test_vmap_of_grad_of_autocast():
 def test_jit_in_either_order_compiles_once(params, x):
   jitted = jax.jit(autocast(block, jnp.bfloat16))
   for _ in range(3):
-    out = jitted(params, x)
+    jitted(params, x)
   assert jitted._cache_size() == 1  # pylint: disable=protected-access
   inner = autocast(jax.jit(block), jnp.bfloat16)
   np.testing.assert_allclose(jax.jit(inner)(params, x), ref_block(params, x),

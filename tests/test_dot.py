@@ -1,6 +1,5 @@
 """Tests of jmp_lite._dot.dot_general_f32 against float32 dot_general."""
 
-import itertools
 
 import jax
 from jax import lax

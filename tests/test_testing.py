@@ -18,7 +18,6 @@ import pytest
 from sklearn.datasets import load_digits
 
 import jmp_lite
-from jmp_lite import optax as jo
 from jmp_lite.testing import assert_single_compile, count_compilations, inject_nonfinite
 
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e5m2, jnp.float8_e4m3fn]
