@@ -537,7 +537,8 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
   Raises:
     TypeError: if ``module`` is not a Flax module, or a rule key or policy has
       the wrong type.
-    ValueError: for an invalid regex or policy string.
+    ValueError: for an invalid regex or policy string, or a policy that asks
+      for op-level autocast (``"O1"``), which needs the differentiated step.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -550,6 +551,14 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
     (dtype('float32'), dtype('float32'))
   """
   parsed = _Rules.create(policy, rules, default_rules)
+  if parsed.policy.autocast_dtype is not None:
+    # Op-level autocast must see the differentiated step, or the backward
+    # matmuls run in float32; a module wrapper does not see it.
+    raise ValueError(
+        f"wrap applies module-level policies; {str(parsed.policy)!r} asks for "
+        "op-level autocast (O1). Use jmp_lite.value_and_grad(loss, policy=...), "
+        "TrainState(policy=...) or jmp_lite.autocast(jax.value_and_grad(loss), "
+        "policy) on the unwrapped model instead.")
   if isinstance(module, nn.Module):
     return _LinenWrapper(module, parsed)
   if isinstance(module, nnx.Module):

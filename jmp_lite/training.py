@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite import autocasting
 from jmp_lite import distributed
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
@@ -60,8 +61,12 @@ def _scaled_value_and_grad(fun, argnums, has_aux, policy, loss_scale):
     return loss_scale.scale(loss), (loss, aux)
 
   def wrapped(*args, **kwargs):
-    (_, (loss, aux)), grads = jax.value_and_grad(
-        scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
+    vg = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
+    if policy is not None and policy.autocast_dtype is not None:
+      # O1: op lists over the whole differentiated step, so that the backward
+      # matmuls run in the autocast dtype too.
+      vg = autocasting.autocast(vg, policy)
+    (_, (loss, aux)), grads = vg(*args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapped
@@ -85,7 +90,10 @@ def value_and_grad(
   scale passed in, and the gradients are unscaled with that same scale.
 
   With ``policy``, the differentiated arguments are cast to its compute dtype
-  before ``fun`` sees them and the loss is returned in float32.
+  before ``fun`` sees them and the loss is returned in float32. A policy with
+  an ``autocast_dtype`` (``"O1"``) runs the whole differentiated step under
+  `jmp_lite.autocast`: matmuls of the forward and backward pass in that dtype
+  with float32 accumulation, fragile ops in float32.
 
   A complete jitted step, MindSpore's ``value_and_grad`` + ``all_finite`` +
   ``DynamicLossScaler`` flow::

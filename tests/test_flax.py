@@ -494,3 +494,8 @@ def test_nnx_rules_and_policy_map():
   assert [ops for ops, _ in _matmuls(jax.make_jaxpr(fun)(state, x))] == [
       (F32, F32), (BF, BF)]
   del model
+
+
+def test_wrap_rejects_an_op_level_autocast_policy():
+  with pytest.raises(ValueError, match="p=f32,c=f32,o=f32,a=bf16.*op-level autocast"):
+    jmp_lite.flax.wrap(nn.Dense(3), "O1")

@@ -194,3 +194,24 @@ def test_checkpoint_resume_is_bit_exact_in_a_fresh_process(tmp_path):
     np.testing.assert_array_equal(resumed[f"arr_{i}"], np.asarray(leaf))
     assert resumed[f"arr_{i}"].dtype == np.asarray(leaf).dtype
   assert int(straight.loss_scale_state.skipped_steps) == 3
+
+
+def test_o1_policy_autocasts_the_whole_differentiated_step():
+  policy = jmp_lite.get_policy("O1")
+  # Small inputs: tanh stays off saturation, where its bf16 derivative is 0.
+  params, x = _params(), jnp.full((3, 4), 0.1, jnp.float32)
+  f = lambda p, x: jmp_lite.value_and_grad(_loss, policy=policy)(
+      p, x, loss_scale=jmp_lite.StaticLossScale(2.0 ** 10))
+  report = jmp_lite.audit(f, params, x, policy=policy)
+  dots = report.count(primitive="dot_general")
+  # Forward (2) and backward (3: the first layer's input gradient is not
+  # needed) matmuls, all in bf16 with float32 accumulation.
+  assert dots == report.count(primitive="dot_general", operand_dtype="bf16",
+                              accumulation="f32") == 5
+  loss, grads, finite = jax.jit(f)(params, x)
+  ref_loss, ref_grads = jax.value_and_grad(_loss)(params, x)
+  assert bool(finite) and loss.dtype == jnp.float32
+  assert jax.tree.map(lambda g: g.dtype, grads) == {"w1": jnp.float32, "w2": jnp.float32}
+  np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, rtol=5e-2, atol=5e-3)
