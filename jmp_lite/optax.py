@@ -239,7 +239,8 @@ def with_loss_scale(
     like = params if params is not None else grads
 
     def unscale(g, p):
-      return (g.astype(jnp.float32) * factor).astype(p.dtype)
+      wide = jnp.promote_types(g.dtype, jnp.float32)  # float64 stays float64
+      return (g.astype(wide) * factor.astype(wide)).astype(p.dtype)
 
     def apply():
       unscaled = jax.tree.map(unscale, grads, like)
