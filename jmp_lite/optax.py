@@ -92,7 +92,7 @@ class LossScaleState(NamedTuple):
 
 
 def _acc_dtype(dtype):
-  return jnp.promote_types(dtype, jnp.float32)
+  return ls_lib._wide(dtype)
 
 
 def _global_norm_and_finite(grads: Any, inv_scale: jax.Array):
@@ -239,7 +239,7 @@ def with_loss_scale(
     like = params if params is not None else grads
 
     def unscale(g, p):
-      wide = jnp.promote_types(g.dtype, jnp.float32)  # float64 stays float64
+      wide = ls_lib._wide(g.dtype)  # float32, or float64 for float64
       return (g.astype(wide) * factor.astype(wide)).astype(p.dtype)
 
     def apply():

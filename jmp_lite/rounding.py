@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite.loss_scale import _wide
 from jmp_lite.policy import DTypeLike
 
 
@@ -229,7 +230,7 @@ def with_state_dtype(inner: optax.GradientTransformation,
 
   def widen(tree):
     return jax.tree.map(
-        lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        lambda x: x.astype(_wide(x.dtype))
         if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
   def init(params):
