@@ -62,13 +62,24 @@ def _materialize(x):
   the operand and buys the bf16 kernel. Other backends take transposed
   operands natively, so there the transpose is left to XLA.
   """
-  if jax.default_backend() != "cpu":
+  if jax.default_backend() != "cpu" or _is_sharded(x):
     return x
   return lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
 
 
+def _is_sharded(x) -> bool:
+  """Whether ``x``'s type carries a sharding (explicit mesh axes).
+
+  Flattening a sharded array needs an output sharding, and the copy would be
+  per shard anyway; such operands are left to XLA's partitioner.
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  return bool(spec) and any(s is not None for s in spec)
+
+
 def dot_general_f32(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
-                    precision=None) -> jax.Array:
+                    precision=None, out_sharding=None) -> jax.Array:
   """``lax.dot_general`` with ``preferred_element_type=float32``, canonicalised.
 
   Example:
@@ -80,7 +91,8 @@ def dot_general_f32(lhs: jax.Array, rhs: jax.Array, dimension_numbers,
   """
   lhs, rhs, dims = canonicalize(lhs, rhs, dimension_numbers)
   return lax.dot_general(lhs, rhs, dims, precision=precision,
-                         preferred_element_type=jnp.float32)
+                         preferred_element_type=jnp.float32,
+                         out_sharding=out_sharding)
 
 
 def dot_general_cotangents(ct, lhs, rhs, dimension_numbers):
@@ -105,7 +117,6 @@ def dot_general_cotangents(ct, lhs, rhs, dimension_numbers):
   ct_rf = tuple(range(nb + nlf, np.ndim(ct)))
 
   # d_lhs: ct . rhs over rhs's free dims -> [batch, lhs free, rc (sorted)].
-  d_lhs = dot_general_f32(ct, rhs, ((ct_rf, tuple(rf)), (ct_b, tuple(rb))))
   sorted_rc = sorted(rc)
   where = {}
   for i, d in enumerate(lb):
@@ -114,12 +125,13 @@ def dot_general_cotangents(ct, lhs, rhs, dimension_numbers):
     where[d] = nb + k
   for d_l, d_r in zip(lc, rc):
     where[d_l] = nb + nlf + sorted_rc.index(d_r)
+  d_lhs = dot_general_f32(ct, rhs, ((ct_rf, tuple(rf)), (ct_b, tuple(rb))),
+                          out_sharding=_sharding_at(lhs, where))
   perm = tuple(where[d] for d in range(np.ndim(lhs)))
   if perm != tuple(range(len(perm))):
     d_lhs = lax.transpose(d_lhs, perm)
 
   # d_rhs: lhs . ct over lhs's free dims -> [batch, lc (sorted), rhs free].
-  d_rhs = dot_general_f32(lhs, ct, ((tuple(lf), ct_lf), (tuple(lb), ct_b)))
   sorted_lc = sorted(lc)
   where = {}
   for i, d in enumerate(rb):
@@ -128,7 +140,28 @@ def dot_general_cotangents(ct, lhs, rhs, dimension_numbers):
     where[d_r] = nb + sorted_lc.index(d_l)
   for k, d in enumerate(rf):
     where[d] = nb + len(lc) + k
+  d_rhs = dot_general_f32(lhs, ct, ((tuple(lf), ct_lf), (tuple(lb), ct_b)),
+                          out_sharding=_sharding_at(rhs, where))
   perm = tuple(where[d] for d in range(np.ndim(rhs)))
   if perm != tuple(range(len(perm))):
     d_rhs = lax.transpose(d_rhs, perm)
   return d_lhs, d_rhs
+
+
+def _sharding_at(operand, where):
+  """The sharding of ``operand``'s cotangent as the dot produces it, or None.
+
+  Under explicit mesh axes a dot that contracts a sharded dimension (a weight
+  gradient contracts the sharded batch) must be told its output's sharding:
+  the operand's own, with dimension ``d`` at position ``where[d]``.
+  """
+  sharding = getattr(jax.typeof(operand), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  mesh = getattr(sharding, "mesh", None)
+  if spec is None or mesh is None or getattr(mesh, "empty", True):
+    return None
+  spec = tuple(spec) + (None,) * (np.ndim(operand) - len(spec))
+  out = [None] * np.ndim(operand)
+  for d, pos in where.items():
+    out[pos] = spec[d]
+  return sharding.update(spec=jax.sharding.PartitionSpec(*out))

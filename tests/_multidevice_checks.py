@@ -532,3 +532,35 @@ def test_train_state_under_shard_map_one_poisoned_replica_skips_everywhere():
   skipped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
                                   out_specs=P("data")))(state, x)
   assert np.asarray(skipped).all()
+
+
+@pytest.mark.parametrize("auto", [True, False], ids=["auto", "explicit"])
+def test_flax_wrap_under_jit_sharded_batch_matches_one_device(auto):
+  # wrap's float32-accumulating weight-gradient dots contract the sharded
+  # batch: under explicit axes they must name their output sharding. (The
+  # partitioner still all-reduces them after their cast to bf16: see
+  # test_hlo_jit_sharded_gradient_all_reduce_is_in_reduce_dtype.)
+  import flax.linen as nn
+  import jmp_lite.flax
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(D_OUT)(nn.relu(nn.Dense(D_HIDDEN)(x)))
+
+  model = jmp_lite.flax.wrap(Model(), "p=f32,c=bf16,o=f32")
+  x = jnp.asarray(_batches()[0][0])
+  params = model.init(jax.random.key(0), jnp.ones((1, D_IN)))["params"]
+  grad = lambda p, x: jax.grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(p)
+  single = jax.jit(grad)(params, x)
+
+  mesh = _mesh((8,), ("data",), auto=auto)
+  sharded_x = jax.device_put(x, NamedSharding(mesh, P("data")))
+  sharded_p = jax.device_put(params, NamedSharding(mesh, P()))
+  with jax.set_mesh(mesh):
+    f = jax.jit(grad)
+    got = f(sharded_p, sharded_x)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(single)):
+    assert a.dtype == b.dtype == jnp.float32
+    assert a.sharding.is_fully_replicated
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3)
