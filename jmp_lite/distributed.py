@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite.loss_scale import check_axis_name
-from jmp_lite.policy import Policy, get_policy, is_low_bit_float
+from jmp_lite.policy import Policy, get_policy, is_floating, is_low_bit_float, wide_dtype
 
 T = TypeVar("T")
 AxisName = Union[str, Sequence[str]]
@@ -69,10 +69,6 @@ def _tracks_varying(axes: tuple[str, ...]) -> bool:
   ``shard_map(check_vma=False)`` nothing is tracked and it reports no axes.
   """
   return all(a in _varying_axes(jax.lax.axis_index(a)) for a in axes)
-
-
-def _is_floating(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def mark_varying(tree: T, axis_name: AxisName) -> T:
@@ -169,7 +165,7 @@ def reduce_gradients(
 
   out = []
   for path, g in leaves:
-    if not _is_floating(g):
+    if not is_floating(g):
       out.append(g)
       continue
     g = jnp.asarray(g)
@@ -190,7 +186,7 @@ def reduce_gradients(
       reduce_dtype = policy.reduce_dtype
       out_dtype = g.dtype if is_low_bit_float(g.dtype) else policy.param_dtype
     else:
-      reduce_dtype = np.dtype(np.float64 if g.dtype == np.float64 else np.float32)
+      reduce_dtype = wide_dtype(g.dtype)
       out_dtype = g.dtype
     r = g.astype(reduce_dtype)
     r = jax.lax.pmean(r, axes) if mean else jax.lax.psum(r, axes)

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _struct
+from jmp_lite.policy import is_floating
+from jmp_lite.policy import wide_dtype
 
 T = TypeVar("T")
 AxisName = Union[str, Sequence[str], None]
@@ -52,25 +54,6 @@ def check_flag(flag: Any, what: str) -> jax.Array:
   return flag
 
 
-def _is_floating(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _jax_dtype(dtype) -> np.dtype:
-  """The dtype JAX gives an array of ``dtype``: float32 for NumPy float64 without x64.
-
-  Requesting float64 explicitly without x64 warns (an error under the test
-  suite's warning filter), so NumPy float64 leaves are treated as what
-  ``jnp.asarray`` turns them into.
-  """
-  return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-
-
-def _wide(dtype) -> np.dtype:
-  """float32, or float64 for float64 inputs: where scaling arithmetic happens."""
-  return np.dtype(np.float64) if _jax_dtype(dtype) == np.float64 else np.dtype(np.float32)
-
-
 def _multiply(tree: T, factor: jax.Array) -> T:
   """Multiplies floating leaves by a float32 ``factor``, keeping each leaf's dtype.
 
@@ -81,10 +64,10 @@ def _multiply(tree: T, factor: jax.Array) -> T:
   def mul(x):
     if isinstance(x, (int, float)) and not isinstance(x, bool):
       return x * factor
-    if not _is_floating(x):
+    if not is_floating(x):
       return x
     x = jnp.asarray(x)
-    wide = _wide(x.dtype)
+    wide = wide_dtype(x.dtype)
     return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
 
   return jax.tree_util.tree_map(mul, tree)
@@ -354,17 +337,17 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   # Python floats count, as in jmp (where `jnp.isfinite(float("nan"))` is False).
   leaves = [jnp.asarray(x) if isinstance(x, float) else x
             for x in jax.tree_util.tree_leaves(tree)]
-  leaves = [x for x in leaves if _is_floating(x)]
+  leaves = [x for x in leaves if is_floating(x)]
   if not leaves:
     finite = jnp.array(True)
   else:
     def fast():
-      sums = [jnp.sum(x, dtype=_wide(x.dtype)).astype(jnp.float32) for x in leaves]
+      sums = [jnp.sum(x, dtype=wide_dtype(x.dtype)).astype(jnp.float32) for x in leaves]
       return jnp.isfinite(jnp.sum(jnp.stack(sums)))
 
     def exact():
-      zeros = [jnp.sum(x * jnp.zeros((), _jax_dtype(x.dtype)), dtype=jnp.float32)
-               for x in leaves]
+      # jnp.asarray: NumPy float64 leaves become what JAX makes of them.
+      zeros = [jnp.sum(jnp.asarray(x) * 0, dtype=jnp.float32) for x in leaves]
       return jnp.isfinite(jnp.sum(jnp.stack(zeros)))
 
     # The true branch returns `ok` (True) rather than a constant so that both

@@ -47,6 +47,8 @@ import numpy as np
 import optax
 
 from jmp_lite import loss_scale as ls_lib
+from jmp_lite.policy import is_floating
+from jmp_lite.policy import wide_dtype
 from jmp_lite.rounding import KahanState
 from jmp_lite.rounding import StochasticRoundState
 from jmp_lite.rounding import kahan_summation
@@ -91,14 +93,9 @@ class LossScaleState(NamedTuple):
   acc_grads: Any
 
 
-def _acc_dtype(dtype):
-  return ls_lib._wide(dtype)
-
-
 def _global_norm_and_finite(grads: Any, inv_scale: jax.Array):
   """Unscaled global norm and finiteness of ``grads``, from one pass in the common case."""
-  leaves = [g for g in jax.tree_util.tree_leaves(grads)
-            if jnp.issubdtype(g.dtype, jnp.floating)]
+  leaves = [g for g in jax.tree_util.tree_leaves(grads) if is_floating(g)]
   if not leaves:
     return jnp.zeros((), jnp.float32), jnp.array(True)
 
@@ -122,6 +119,16 @@ def _global_norm_and_finite(grads: Any, inv_scale: jax.Array):
   # branches have the same varying manual axes under `shard_map`.
   finite = jnp.isfinite(sq)
   return jax.lax.cond(finite, lambda: (jnp.sqrt(sq), finite), slow)
+
+
+def _no_op_updates(update_fn) -> Any:
+  """``-0.0`` in the shapes and dtypes of the updates ``update_fn()`` returns.
+
+  ``x + -0.0`` is ``x`` for every ``x`` (``+0.0`` would turn ``-0.0`` params
+  into ``+0.0``), so these updates leave params bitwise unchanged.
+  """
+  shapes, _ = jax.eval_shape(update_fn)
+  return jax.tree.map(lambda s: jnp.full_like(s, -0.0), shapes)
 
 
 def _check_grads_match_params(grads: Any, params: Any) -> None:
@@ -218,7 +225,7 @@ def with_loss_scale(
 
   def init(params):
     acc = () if k == 1 else jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), _acc_dtype(p.dtype)), params)
+        lambda p: jnp.zeros(jnp.shape(p), wide_dtype(p.dtype)), params)
     return LossScaleState(
         loss_scale=loss_scale,
         inner_state=inner.init(params),
@@ -239,7 +246,7 @@ def with_loss_scale(
     like = params if params is not None else grads
 
     def unscale(g, p):
-      wide = ls_lib._wide(g.dtype)  # float32, or float64 for float64
+      wide = wide_dtype(g.dtype)
       return (g.astype(wide) * factor.astype(wide)).astype(p.dtype)
 
     def apply():
@@ -247,9 +254,7 @@ def with_loss_scale(
       return inner.update(unscaled, state.inner_state, params, **extra_args)
 
     def skip():
-      shapes, _ = jax.eval_shape(apply)
-      zeros = jax.tree.map(lambda s: jnp.full_like(s, -0.0), shapes)
-      return zeros, state.inner_state
+      return _no_op_updates(apply), state.inner_state
 
     updates, inner_state = jax.lax.cond(finite, apply, skip)
     new_state = state._replace(
@@ -277,9 +282,8 @@ def with_loss_scale(
                                          acc_grads=fresh)
 
     def wait():
-      shapes, _ = jax.eval_shape(emit)
-      zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), shapes)
-      return zeros, state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
+      return _no_op_updates(emit), state._replace(
+          mini_step=state.mini_step + 1, acc_grads=acc)
 
     return jax.lax.cond(state.mini_step == k - 1, emit, wait)
 

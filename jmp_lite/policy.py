@@ -55,6 +55,21 @@ def _canonical(dtype: DTypeLike, what: str) -> np.dtype:
   return dt.newbyteorder("=")
 
 
+def is_floating(x: Any) -> bool:
+  """Whether ``x`` is an array (NumPy, JAX or a tracer) with a floating dtype."""
+  return hasattr(x, "dtype") and bool(jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def wide_dtype(dtype: DTypeLike) -> np.dtype:
+  """float32, or float64 for float64: where scaling and update arithmetic happens.
+
+  NumPy float64 without x64 counts as float32, what ``jnp.asarray`` makes of
+  it (asking for float64 explicitly there warns).
+  """
+  canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+  return np.dtype(np.float64 if canonical == np.float64 else np.float32)
+
+
 def is_low_bit_float(dtype: DTypeLike) -> bool:
   """Whether ``dtype`` is a floating format of 8 bits or fewer (fp8, fp4...)."""
   dt = np.dtype(dtype)

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_lite.loss_scale import _wide
 from jmp_lite.policy import DTypeLike
+from jmp_lite.policy import is_floating
+from jmp_lite.policy import wide_dtype
 
 
 def _is_low(p: Any) -> bool:
@@ -225,13 +226,12 @@ def with_state_dtype(inner: optax.GradientTransformation,
 
   def store(tree):
     return jax.tree.map(
-        lambda x: x.astype(dtype) if (jnp.issubdtype(x.dtype, jnp.floating)
-                                      and x.ndim >= 1) else x, tree)
+        lambda x: x.astype(dtype) if is_floating(x) and x.ndim >= 1 else x, tree)
 
   def widen(tree):
     return jax.tree.map(
-        lambda x: x.astype(_wide(x.dtype))
-        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+        lambda x: x.astype(wide_dtype(x.dtype))
+        if is_floating(x) else x, tree)
 
   def init(params):
     return store(inner.init(params))

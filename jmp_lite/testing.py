@@ -23,14 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite.policy import is_floating
+
 T = TypeVar("T")
 
 _VALUES = {"nan": np.nan, "inf": np.inf, "+inf": np.inf, "-inf": -np.inf}
 _ELEMENTS = ("first", "random", "all")
-
-
-def _is_floating(x: Any) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _check_value(value: Any) -> Union[str, float]:
@@ -73,7 +71,7 @@ def _check_steps(at_steps: Any) -> np.ndarray:
 
 def _select(paths_and_leaves, leaves: Any) -> list[int]:
   """Indices of the floating leaves ``leaves`` selects."""
-  floating = [i for i, (_, x) in enumerate(paths_and_leaves) if _is_floating(x)]
+  floating = [i for i, (_, x) in enumerate(paths_and_leaves) if is_floating(x)]
   if not floating:
     raise ValueError("inject_nonfinite: the tree has no floating-point leaf to poison.")
   if isinstance(leaves, str) and leaves in ("all", "random"):
