@@ -20,34 +20,26 @@ JIT_CASES = [("mlp", False), ("mlp", True), ("cnn", True), ("attention", True),
              ("custom", True)]
 
 
-def _eqns(jaxpr):
-  """Every equation of a jaxpr, including those of nested jaxprs."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-          yield from _eqns(sub)
+def _audit(fun, *args):
+  """The precision audit of ``fun(*args)`` (traced, not run)."""
+  return jmp_lite.audit(fun, *args)
 
 
-def _matmuls(jaxpr):
-  return [(tuple(np.dtype(v.aval.dtype) for v in e.invars),
-           np.dtype(e.params["preferred_element_type"]))
-          for e in _eqns(jaxpr) if e.primitive.name in MATMULS]
+def _matmuls(report):
+  return [(r.operand_dtypes, r.accumulation) for r in report.select(primitive=MATMULS)]
 
 
-def _assert_accumulates_in_f32(jaxpr):
-  found = _matmuls(jaxpr)
+def _assert_accumulates_in_f32(report):
+  found = _matmuls(report)
   assert found
-  for operands, preferred in found:
-    assert operands == (BF, BF) and preferred == F32, found
+  for operands, accumulation in found:
+    assert operands == (BF, BF) and accumulation == F32, found
 
 
-def _assert_norms_in_f32(jaxpr):
-  rsqrts = [e for e in _eqns(jaxpr) if e.primitive.name == "rsqrt"]
+def _assert_norms_in_f32(report):
+  rsqrts = report.select(primitive="rsqrt")
   assert rsqrts
-  assert all(e.outvars[0].aval.dtype == F32 for e in rsqrts)
+  assert all(r.output_dtypes == (F32,) for r in rsqrts), rsqrts
 
 
 def _dtypes(tree):
@@ -143,19 +135,19 @@ def _maybe_jit(fun, jit):
 @pytest.mark.parametrize("name", LINEN)
 def test_linen_matmuls_accumulate_in_f32_forward_and_backward(name):
   _, wrapped, variables, x = _linen(name)
-  forward = jax.make_jaxpr(wrapped.apply)(variables, x)
+  forward = _audit(wrapped.apply, variables, x)
   _assert_accumulates_in_f32(forward)
 
   def loss(params):
     return wrapped.apply({**variables, "params": params}, x).sum()
 
-  _assert_accumulates_in_f32(jax.make_jaxpr(jax.grad(loss))(variables["params"]))
+  _assert_accumulates_in_f32(_audit(jax.grad(loss), variables["params"]))
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "attention", "custom"])
 def test_linen_norms_run_in_f32(name):
   _, wrapped, variables, x = _linen(name)
-  _assert_norms_in_f32(jax.make_jaxpr(wrapped.apply)(variables, x))
+  _assert_norms_in_f32(_audit(wrapped.apply, variables, x))
 
 
 @pytest.mark.parametrize("name, jit", JIT_CASES)
@@ -246,7 +238,7 @@ def test_class_rule():
   _, wrapped, variables, x = _linen("mlp", rules={nn.Dense: "f32"})
   assert _strs(jmp_lite.flax.policy_map(wrapped, x))["Dense_1"] == "p=f32,c=f32,o=f32"
   assert all(ops == (F32, F32) for ops, _ in
-             _matmuls(jax.make_jaxpr(wrapped.apply)(variables, x)))
+             _matmuls(_audit(wrapped.apply, variables, x)))
 
 
 def test_path_rule():
@@ -256,7 +248,7 @@ def test_path_rule():
   assert got["MultiHeadDotProductAttention_0/query"] == "p=f32,c=f32,o=f32"
   assert got["MultiHeadDotProductAttention_0/value"] == "p=f32,c=bf16,o=f32"
   operands = [ops for ops, _ in
-              _matmuls(jax.make_jaxpr(wrapped.apply)(variables, x))]
+              _matmuls(_audit(wrapped.apply, variables, x))]
   assert operands.count((F32, F32)) == 2
 
 
@@ -433,12 +425,12 @@ def _pure(module):
 def test_nnx_matmuls_accumulate_in_f32_and_norms_run_in_f32(name):
   _, wrapped, x = _nnx(name)
   fun, state = _pure(wrapped)
-  forward = jax.make_jaxpr(fun)(state, x)
+  forward = _audit(fun, state, x)
   _assert_accumulates_in_f32(forward)
   if name != "attention":  # nnx.LayerNorm here is covered by the forward check
     _assert_norms_in_f32(forward)
-  _assert_accumulates_in_f32(jax.make_jaxpr(
-      jax.grad(lambda s: fun(s, x).sum()))(state))
+  _assert_accumulates_in_f32(_audit(
+      jax.grad(lambda s: fun(s, x).sum()), state))
 
 
 @pytest.mark.parametrize("name, jit", JIT_CASES)
@@ -491,7 +483,7 @@ def test_nnx_rules_and_policy_map():
       "dense2": "p=f32,c=bf16,o=bf16",
   }
   fun, state = _pure(wrapped)
-  assert [ops for ops, _ in _matmuls(jax.make_jaxpr(fun)(state, x))] == [
+  assert [ops for ops, _ in _matmuls(_audit(fun, state, x))] == [
       (F32, F32), (BF, BF)]
   del model
 
