@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _struct
-from jmp_lite.policy import is_floating
+from jmp_lite.policy import is_inexact
+from jmp_lite.policy import is_low_bit_float
 from jmp_lite.policy import wide_dtype
 
 T = TypeVar("T")
@@ -55,16 +56,17 @@ def check_flag(flag: Any, what: str) -> jax.Array:
 
 
 def _multiply(tree: T, factor: jax.Array) -> T:
-  """Multiplies floating leaves by a float32 ``factor``, keeping each leaf's dtype.
+  """Multiplies floating and complex leaves by a float32 ``factor``, keeping dtypes.
 
-  The product is formed in float32 (float64 for float64 leaves) and rounded
-  once: a scale of 2**16 is infinite in float16, so it must not be cast to the
-  leaf's dtype first.
+  The product is formed in float32 (float64 for float64, complex for complex
+  leaves) and rounded once: a scale of 2**16 is infinite in float16, so it
+  must not be cast to the leaf's dtype first. fp8 leaves (quantisation
+  metadata, not gradients of the loss) are left as they are.
   """
   def mul(x):
     if isinstance(x, (int, float)) and not isinstance(x, bool):
       return x * factor
-    if not is_floating(x):
+    if not is_inexact(x) or is_low_bit_float(x.dtype):
       return x
     x = jnp.asarray(x)
     wide = wide_dtype(x.dtype)
@@ -79,6 +81,9 @@ def _as_scalar(value: Any, dtype, name: str, *, warn_non_floating: bool = False)
   Returns the array and, when the value is known on the host, its value as a
   Python number (None under tracing).
   """
+  if value is None or isinstance(value, (str, bytes)) or not (
+      hasattr(value, "dtype") or isinstance(value, (int, float, np.number))):
+    raise TypeError(f"{name} must be a number or a scalar array, got {value!r}")
   value_dtype = getattr(value, "dtype", None)
   if value_dtype is None:
     try:
@@ -188,37 +193,55 @@ class DynamicLossScale:
   Dynamic loss scaling looks for the largest scale that keeps gradients
   finite: it grows the scale by ``factor`` after ``period`` consecutive finite
   steps, and divides it by ``factor`` when gradients overflow. With
-  ``hysteresis=h`` (DeepSpeed, Megatron) the first ``h - 1`` consecutive
-  overflows leave the scale alone; they are still reported non-finite and the
-  caller still skips them. ``hysteresis=1`` (the default) is jmp::
+  ``hysteresis=h`` (DeepSpeed, Megatron) the first ``h - 1`` overflows leave
+  the scale alone; they are still reported non-finite and the caller still
+  skips them. ``hysteresis=1`` (the default) is jmp::
 
       loss_scale = 2 ** 15; counter = 0; left = hysteresis
       for step in range(num_steps):
         grads = unscale(grad(scale(loss)))
         if all_finite(grads):
-          counter += 1; left = hysteresis
+          counter += 1
+          if consecutive_hysteresis:
+            left = hysteresis
           if counter == period:
-            counter = 0
+            counter = 0; left = hysteresis
             if isfinite(loss_scale * factor):
               loss_scale = min(loss_scale * factor, max_loss_scale)
         else:
-          counter = 0; left = max(left - 1, 0)
-          if left == 0:
+          counter = 0
+          if left > 1:
+            left -= 1
+          else:
             loss_scale = max(min_loss_scale, loss_scale / factor, tiny_f32)
 
-  The scale never reaches zero: below ``min_loss_scale`` (which may be 0 or
-  below 1, as in Flax) the smallest normal float32 is the floor.
+  Which finite steps refill the tolerance is DeepSpeed's
+  ``consecutive_hysteresis`` flag:
+
+  * ``False`` (the default, as in Megatron-LM's ``DynamicGradScaler`` and
+    DeepSpeed's default config): only a growth of the scale refills it, so
+    ``h`` overflows within one growth period back off even with finite steps
+    between them;
+  * ``True`` (DeepSpeed's ``consecutive_hysteresis=True``, Paddle's
+    ``decr_every_n_nan_or_inf``): every finite step refills it, so only ``h``
+    overflows *in a row* back off.
+
+  Once the tolerance is used up, every further overflow backs off until it is
+  refilled. The scale never reaches zero: below ``min_loss_scale`` (which may
+  be 0 or below 1, as in Flax) the smallest normal float32 is the floor.
 
   Args:
     loss_scale: initial scale, positive and finite (2**15 is common).
     counter: finite steps since the last change (int32).
     period: finite steps between growths (>= 1).
     factor: growth and backoff factor (> 1).
-    min_loss_scale: floor (>= 0, default 1).
-    max_loss_scale: cap (default: the largest float32).
-    hysteresis: consecutive overflows tolerated before backing off (>= 1).
-    hysteresis_left: overflows left before the next backoff (internal state;
-      defaults to ``hysteresis``).
+    min_loss_scale: floor (>= 0 and <= ``loss_scale``; default 1).
+    max_loss_scale: cap (>= ``loss_scale``; default: the largest float32).
+    hysteresis: overflows tolerated before backing off (>= 1).
+    hysteresis_left: overflows left before the next backoff, in
+      ``[1, hysteresis]`` (state; defaults to ``hysteresis``).
+    consecutive_hysteresis: whether every finite step refills
+      ``hysteresis_left`` (see above; default False).
 
   Example:
     >>> import jax.numpy as jnp
@@ -240,6 +263,7 @@ class DynamicLossScale:
   max_loss_scale: jax.Array = dataclasses.field(default=_F32_MAX, kw_only=True)
   hysteresis: jax.Array = dataclasses.field(default=1, kw_only=True)
   hysteresis_left: jax.Array = dataclasses.field(default=None, kw_only=True)
+  consecutive_hysteresis: jax.Array = dataclasses.field(default=False, kw_only=True)
 
   def __post_init__(self):
     name = "DynamicLossScale"
@@ -263,16 +287,37 @@ class DynamicLossScale:
     if lo is not None and hi is not None and lo > hi:
       raise ValueError(
           f"{name}: min_loss_scale={lo} is larger than max_loss_scale={hi}")
+    if s is not None and lo is not None and lo > s:
+      raise ValueError(
+          f"{name}: min_loss_scale={self.min_loss_scale!r} is larger than "
+          f"loss_scale={self.loss_scale!r}; pass min_loss_scale <= "
+          f"{self.loss_scale!r} to start below the default floor of 1.")
+    if s is not None and hi is not None and s > hi:
+      raise ValueError(
+          f"{name}: loss_scale={self.loss_scale!r} is larger than "
+          f"max_loss_scale={self.max_loss_scale!r}.")
     hysteresis, h = _as_scalar(self.hysteresis, jnp.int32, "hysteresis")
     if h is not None and h < 1:
       raise ValueError(f"{name}.hysteresis must be >= 1, got {self.hysteresis!r}")
     left = hysteresis if self.hysteresis_left is None else self.hysteresis_left
-    left, _ = _as_scalar(left, jnp.int32, "hysteresis_left")
+    left, l = _as_scalar(left, jnp.int32, "hysteresis_left")
+    if l is not None and h is not None and not 1 <= l <= h:
+      raise ValueError(
+          f"{name}.hysteresis_left must be in [1, hysteresis={h}], got "
+          f"{self.hysteresis_left!r}")
+    consecutive = self.consecutive_hysteresis
+    if not (isinstance(consecutive, (bool, np.bool_, jax.Array, np.ndarray))
+            and np.shape(consecutive) == ()
+            and getattr(consecutive, "dtype", np.dtype(bool)) == np.bool_):
+      raise TypeError(
+          f"{name}.consecutive_hysteresis must be a bool, got {consecutive!r}")
+    consecutive = jnp.asarray(consecutive, jnp.bool_)
     for field, value in (("loss_scale", scale), ("counter", counter),
                          ("period", period), ("factor", factor),
                          ("min_loss_scale", min_scale),
                          ("max_loss_scale", max_scale),
-                         ("hysteresis", hysteresis), ("hysteresis_left", left)):
+                         ("hysteresis", hysteresis), ("hysteresis_left", left),
+                         ("consecutive_hysteresis", consecutive)):
       object.__setattr__(self, field, value)
 
   def scale(self, tree: T) -> T:
@@ -289,16 +334,19 @@ class DynamicLossScale:
     grown = jnp.where(jnp.isfinite(grown),
                       jnp.minimum(grown, self.max_loss_scale), scale)
     grow_now = self.counter >= self.period - 1
-    left = jnp.maximum(self.hysteresis_left - 1, 0)
+    back_off = self.hysteresis_left <= 1
     shrunk = jnp.maximum(jnp.maximum(self.min_loss_scale, scale / self.factor),
                          jnp.float32(_F32_TINY))
     new_scale = jnp.where(finite, jnp.where(grow_now, grown, scale),
-                          jnp.where(left == 0, shrunk, scale))
+                          jnp.where(back_off, shrunk, scale))
+    refill = finite & (grow_now | self.consecutive_hysteresis)
+    left = jnp.where(finite, self.hysteresis_left,
+                     jnp.maximum(self.hysteresis_left - 1, 1))
     return _struct.replace_fields(
         self,
         loss_scale=new_scale,
         counter=jnp.where(finite & ~grow_now, self.counter + 1, 0),
-        hysteresis_left=jnp.where(finite, self.hysteresis, left),
+        hysteresis_left=jnp.where(refill, self.hysteresis, left),
     )
 
 
@@ -311,8 +359,8 @@ LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   """Returns a scalar bool: whether every floating leaf of ``tree`` is finite.
 
-  NaN, +inf and -inf in any floating dtype (float64 to float8) make it False;
-  integer and other non-floating leaves are ignored; an empty tree is True.
+  NaN, +inf and -inf in any floating dtype (float64 to float8), or in either
+  part of a complex number, make it False; integer and other non-floating leaves are ignored; an empty tree is True.
 
   The common case costs one pass: the sum of a leaf is finite only if every
   element is (NaN and inf propagate through addition), so one float32 sum per
@@ -337,18 +385,23 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   # Python floats count, as in jmp (where `jnp.isfinite(float("nan"))` is False).
   leaves = [jnp.asarray(x) if isinstance(x, float) else x
             for x in jax.tree_util.tree_leaves(tree)]
-  leaves = [x for x in leaves if is_floating(x)]
+  leaves = [x for x in leaves if is_inexact(x)]
   if not leaves:
     finite = jnp.array(True)
   else:
+    def total(parts):
+      # A complex sum is finite only if both parts are; NaN and inf survive
+      # real + imag (inf - inf is NaN).
+      parts = [jnp.real(p) + jnp.imag(p) if jnp.iscomplexobj(p) else p for p in parts]
+      return jnp.sum(jnp.stack([p.astype(jnp.float32) for p in parts]))
+
     def fast():
-      sums = [jnp.sum(x, dtype=wide_dtype(x.dtype)).astype(jnp.float32) for x in leaves]
-      return jnp.isfinite(jnp.sum(jnp.stack(sums)))
+      return jnp.isfinite(total([jnp.sum(x, dtype=wide_dtype(x.dtype)) for x in leaves]))
 
     def exact():
       # jnp.asarray: NumPy float64 leaves become what JAX makes of them.
-      zeros = [jnp.sum(jnp.asarray(x) * 0, dtype=jnp.float32) for x in leaves]
-      return jnp.isfinite(jnp.sum(jnp.stack(zeros)))
+      return jnp.isfinite(total([jnp.sum(jnp.asarray(x) * 0, dtype=wide_dtype(x.dtype))
+                                 for x in leaves]))
 
     # The true branch returns `ok` (True) rather than a constant so that both
     # branches have the same varying manual axes under `shard_map`.

@@ -5,15 +5,14 @@
 holds the loss scale next to the whole inner state, so one ``update`` call
 decides, for the whole chain, whether a step happens::
 
-    sumsq  = sum((g * inv_scale) ** 2)            # one pass over the gradients
-    finite = isfinite(sumsq) or all_finite(g)     # exact check only if sumsq is not
-    norm   = sqrt(sumsq)
+    norm, finite = |g / scale|, isfinite(...)     # one pass over the gradients
     if finite:
-      clip = min(1, clip_norm / norm)             # optional
-      updates, inner_state = inner.update(g * (inv_scale * clip), ...)
-    else:
-      updates = -0.0; inner_state unchanged       # second pass, fused
-    loss_scale = loss_scale.adjust(finite)
+      g32 = g / scale * min(1, clip_norm / norm)  # float32, second pass, fused
+      updates, inner_state = inner.update(g32, state, float32 params)
+      finite = all finite: updates, params + updates, inner_state
+    if not finite:
+      updates = -0.0; inner_state unchanged
+    loss_scale = loss_scale.adjust(gradients finite)
 
 Why one transformation rather than a chain of ``unscale``, ``all_finite``,
 ``clip_by_global_norm`` and ``apply_if_finite``:
@@ -22,23 +21,28 @@ Why one transformation rather than a chain of ``unscale``, ``all_finite``,
 * clipping can only see unscaled gradients, so the most common
   mixed-precision bug (clipping scaled gradients) cannot be written;
 * a skipped step freezes everything inside ``inner``: schedules, Adam's
-  moments and counts, ``MultiSteps`` counters. optax's ``apply_if_finite``
-  freezes only what it wraps, and after ``max_consecutive_errors`` it applies
-  the non-finite update; this never does, however many steps overflow;
+  moments and counts, counters. optax's ``apply_if_finite`` freezes only
+  what it wraps, and after ``max_consecutive_errors`` it applies the
+  non-finite update; this never does, however many steps overflow;
+* finite gradients are not enough: Adam's ``eps`` is 0 in float16, a
+  float16 parameter plus a finite update can overflow. The optimizer runs in
+  float32, and what the step would write is checked before it is kept;
 * skipped updates are ``-0.0``, the one value that leaves every parameter
   bitwise unchanged under ``optax.apply_updates`` (``-0.0 + 0.0`` is ``+0.0``
   but ``x + -0.0`` is ``x`` for every ``x``).
 
 Gradient accumulation is built in (``accumulate_steps``) rather than left to
 ``optax.MultiSteps``: MultiSteps resets its accumulator by multiplying it by
-zero, so one overflowing micro-batch leaves NaN in it for every later step.
-Here scaled micro-batch gradients are summed in float32, the accumulator is
-reset with fresh zeros, and an overflow in any micro-batch skips the whole
-accumulated step; the loss scale stays fixed within an accumulation.
+zero, so one overflowing micro-batch leaves NaN in it for every later step
+(wrapping `with_loss_scale` in MultiSteps is refused). Here scaled micro-batch
+gradients are summed in float32, a micro-batch that would make the sum
+non-finite is dropped and marks the step as skipped, the accumulator is reset
+with fresh zeros, and the loss scale stays fixed within an accumulation.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -46,26 +50,51 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
+from jmp_lite._unscale import apply_updates
 from jmp_lite.policy import is_floating
+from jmp_lite.policy import is_inexact
 from jmp_lite.policy import wide_dtype
 from jmp_lite.rounding import KahanState
 from jmp_lite.rounding import StochasticRoundState
 from jmp_lite.rounding import kahan_summation
 from jmp_lite.rounding import stochastic_round
+from jmp_lite.rounding import stored_params
 from jmp_lite.rounding import with_state_dtype
 
 __all__ = (
+    "apply_updates",
     "find_loss_scale_state",
     "get_loss_scale",
     "KahanState",
     "kahan_summation",
     "LossScaleState",
+    "NonFinite",
     "stochastic_round",
     "StochasticRoundState",
     "with_loss_scale",
     "with_state_dtype",
 )
+
+
+class NonFinite(NamedTuple):
+  """Which part of the last step was not finite: one bool scalar each.
+
+  ``grads`` covers the gradients (and, with accumulation, any micro-batch of
+  the step or their sum); the others are checked only when the gradients were
+  finite, and are False otherwise.
+  """
+
+  grads: jax.Array
+  updates: jax.Array
+  params: jax.Array  # params + updates, in the parameters' dtypes
+  opt_state: jax.Array  # the inner optimizer's new state
+
+
+def _no_nonfinite() -> NonFinite:
+  false = jnp.array(False)
+  return NonFinite(false, false, false, false)
 
 
 class LossScaleState(NamedTuple):
@@ -76,12 +105,15 @@ class LossScaleState(NamedTuple):
     inner_state: the wrapped optimizer's state (frozen on skipped steps).
     skipped: bool, whether the last completed step was skipped.
     skipped_steps: int32, how many steps were skipped so far.
-    grad_norm: float32, global norm of the last applied step's unscaled
-      gradients, before clipping (a skipped step leaves it unchanged, so no
-      non-finite value ever enters the optimizer state).
+    grad_norm: global norm of the last applied step's unscaled gradients,
+      before clipping (float32; float64 when a gradient is float64). A
+      skipped step leaves it unchanged, and a norm beyond the dtype's range is
+      stored as its largest value, so it is always finite.
+    nonfinite: `NonFinite`, why the last completed step was skipped.
     mini_step: int32, micro-batches accumulated so far in this step.
     acc_grads: float32 sum of scaled micro-batch gradients (``()`` when
-      ``accumulate_steps == 1``).
+      ``accumulate_steps == 1``); only finite sums are kept.
+    acc_finite: bool, whether every micro-batch of this step was finite.
   """
 
   loss_scale: ls_lib.LossScale
@@ -89,36 +121,10 @@ class LossScaleState(NamedTuple):
   skipped: jax.Array
   skipped_steps: jax.Array
   grad_norm: jax.Array
+  nonfinite: NonFinite
   mini_step: jax.Array
   acc_grads: Any
-
-
-def _global_norm_and_finite(grads: Any, inv_scale: jax.Array):
-  """Unscaled global norm and finiteness of ``grads``, from one pass in the common case."""
-  leaves = [g for g in jax.tree_util.tree_leaves(grads) if is_floating(g)]
-  if not leaves:
-    return jnp.zeros((), jnp.float32), jnp.array(True)
-
-  def sumsq(scale):
-    parts = [jnp.sum(jnp.square(g.astype(jnp.float32) * scale)) for g in leaves]
-    return jnp.sum(jnp.stack(parts))
-
-  sq = sumsq(inv_scale)
-
-  def slow():
-    # The squares overflowed float32: either an element is not finite, or the
-    # norm is beyond float32's square root. Tell the two apart exactly, and
-    # rescale by the largest magnitude to get a finite norm in the second case.
-    finite = ls_lib.all_finite(leaves)
-    top = jnp.max(jnp.stack([jnp.max(jnp.abs(g.astype(jnp.float32))) for g in leaves]))
-    top = jnp.where(finite & (top > 0), top, 1.0)
-    norm = jnp.sqrt(sumsq(1 / top)) * (top * inv_scale)
-    return jnp.where(finite, norm, jnp.nan), finite
-
-  # The true branch returns `finite` (True), not a constant, so that both
-  # branches have the same varying manual axes under `shard_map`.
-  finite = jnp.isfinite(sq)
-  return jax.lax.cond(finite, lambda: (jnp.sqrt(sq), finite), slow)
+  acc_finite: jax.Array
 
 
 def _no_op_updates(update_fn) -> Any:
@@ -127,7 +133,7 @@ def _no_op_updates(update_fn) -> Any:
   ``x + -0.0`` is ``x`` for every ``x`` (``+0.0`` would turn ``-0.0`` params
   into ``+0.0``), so these updates leave params bitwise unchanged.
   """
-  shapes, _ = jax.eval_shape(update_fn)
+  shapes = jax.eval_shape(update_fn)[0]
   return jax.tree.map(lambda s: jnp.full_like(s, -0.0), shapes)
 
 
@@ -152,6 +158,66 @@ def _check_grads_match_params(grads: Any, params: Any) -> None:
           f"{np.shape(g)} but its parameter has shape {np.shape(p)}.")
 
 
+def _for_inner(tree: Any) -> Any:
+  """What the inner optimizer sees of params: 16-bit floats as float32 copies.
+
+  Integer and boolean leaves become None (an empty subtree to optax), since no
+  optimizer can update them.
+  """
+  def one(x):
+    if not is_inexact(x):
+      return None
+    if is_floating(x) and jnp.finfo(x.dtype).bits == 16:
+      return x.astype(jnp.float32)
+    return x
+  return jax.tree.map(one, tree)
+
+
+def _grads_for_inner(grads: Any, factor: _unscale.Factor) -> Any:
+  """Unscaled (and clipped) gradients in float32/float64/complex; None for non-floats."""
+  def one(g):
+    if not is_inexact(g):
+      return None
+    return _unscale.apply_factor(g, factor) if _unscale.is_scaled(g) else g
+  return jax.tree.map(one, grads)
+
+
+def _fill_updates(updates: Any, like: Any) -> Any:
+  """The inner's updates with zeros where ``like`` has integer or boolean leaves."""
+  return jax.tree.map(
+      lambda u, x: None if x is None else (
+          u if is_inexact(x) else jnp.zeros(np.shape(x), x.dtype)),
+      updates, like, is_leaf=lambda u: u is None)
+
+
+def _cast_like(new: Any, old: Any) -> Any:
+  """``new`` in ``old``'s dtypes: a state must keep its types across a step."""
+  return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
+
+
+def _contains_loss_scale_state(tree: Any) -> bool:
+  return any(isinstance(x, LossScaleState) for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, LossScaleState)))
+
+
+def _inside_multisteps() -> bool:
+  """Whether ``init`` was called by ``optax.MultiSteps.init``.
+
+  MultiSteps resets its accumulator by multiplying it by zero, so one
+  overflowing micro-batch leaves NaN in it for good; nothing inside the
+  wrapped optimizer can undo that. MultiSteps has no hook at construction, so
+  the first moment to refuse it is its ``init``, one frame up.
+  """
+  frame = sys._getframe(2)  # init_fn <- this function's caller
+  for _ in range(3):
+    if frame is None:
+      return False
+    if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
+      return True
+    frame = frame.f_back
+  return False
+
+
 def with_loss_scale(
     inner: optax.GradientTransformation,
     loss_scale: ls_lib.LossScale,
@@ -163,18 +229,35 @@ def with_loss_scale(
   """Wraps ``inner`` so that it receives unscaled gradients and skips bad steps.
 
   ``update`` takes the gradients of ``loss_scale.scale(loss)``, scaled by the
-  scale found with `get_loss_scale` in the same state; on a step whose
-  gradients are not finite it returns ``-0.0`` updates and leaves ``inner``'s
-  state unchanged, then adjusts the scale. Put it outermost: everything inside
-  ``inner`` is frozen on a skipped step.
+  scale found with `get_loss_scale` in the same state. It unscales them into
+  float32 (float64 for float64, complex for complex gradients) and runs
+  ``inner`` there, on float32 copies of 16-bit parameters, so that moments,
+  epsilons and hyperparameters keep float32 precision; ``inner``'s state for
+  16-bit parameters is float32 unless ``inner`` asks otherwise (e.g.
+  `with_state_dtype`). Updates for 16-bit parameters come out in float32 and
+  are rounded once, when applied (``optax.apply_updates`` or `apply_updates`).
+
+  The step is applied only if everything it would write is finite: the
+  gradients, the updates, the new parameters (``params + updates`` in the
+  parameters' dtypes, when ``params`` is passed) and ``inner``'s new state.
+  Otherwise ``update`` returns ``-0.0`` updates, which leave every parameter
+  bitwise unchanged, keeps ``inner``'s state as it was, and records why in
+  ``nonfinite``. The loss scale adjusts to whether the *gradients* were
+  finite: a step skipped only because the optimizer's arithmetic overflowed
+  says nothing about the scale. Put it outermost: everything inside ``inner``
+  is frozen on a skipped step. Integer and boolean parameters are not shown
+  to ``inner`` and get zero updates.
 
   Args:
     inner: the optimizer to wrap (any optax transformation or chain).
     loss_scale: the initial loss scale (`jmp_lite.DynamicLossScale` to adapt).
     clip_norm: if set, clip the unscaled gradients to this global norm, with
-      the norm computed in the same pass as the finiteness check.
+      the norm computed in the same pass as the finiteness check. Correct for
+      any finite norm, including norms beyond float32's range.
     accumulate_steps: number of micro-batches whose gradients are summed
-      (averaged) into one step. Updates are zero on the other calls.
+      (averaged) into one step. Updates are zero on the other calls. An
+      overflow in any micro-batch skips the whole accumulated step. Use this
+      rather than wrapping in ``optax.MultiSteps``, which is refused.
     axis_name: under ``shard_map``/``pmap``, the mesh axis (or axes) across
       which replicas must agree to skip: one replica's overflow skips the
       step everywhere. Not needed under ``jax.jit`` with sharded arrays, where
@@ -185,8 +268,11 @@ def with_loss_scale(
     A `optax.GradientTransformationExtraArgs` whose state is `LossScaleState`.
 
   Raises:
-    TypeError: if ``loss_scale`` is not a loss scale.
-    ValueError: for a non-positive ``clip_norm`` or ``accumulate_steps``.
+    TypeError: if ``inner`` is not an optax transformation, ``loss_scale`` is
+      not a loss scale, or ``accumulate_steps`` is not a whole number.
+    ValueError: for a non-positive ``clip_norm`` or ``accumulate_steps``; at
+      ``init``, if ``inner`` already contains a `with_loss_scale` or the
+      result is wrapped in ``optax.MultiSteps``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -204,10 +290,26 @@ def with_loss_scale(
     >>> [round(float(x), 4) for x in params["w"]]
     [0.9423, 0.9423, 0.9423]
   """
+  return _with_loss_scale(inner, loss_scale, clip_norm=clip_norm,
+                          accumulate_steps=accumulate_steps, axis_name=axis_name,
+                          check_results=True)
+
+
+def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_name,
+                     check_results: bool):
+  """`with_loss_scale`; ``check_results=False`` checks the gradients only.
+
+  The unchecked variant exists so that ``bench/`` can measure what checking
+  the updates, new parameters and new state costs; it is not API.
+  """
+  if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+    raise TypeError(
+        f"with_loss_scale: inner must be an optax GradientTransformation, got {inner!r}")
   if not isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
                                  ls_lib.DynamicLossScale)):
     raise TypeError(
-        f"with_loss_scale: loss_scale must be a jmp_lite loss scale, got {loss_scale!r}")
+        f"with_loss_scale: loss_scale must be a jmp_lite loss scale, got {loss_scale!r} "
+        "(e.g. jmp_lite.DynamicLossScale(2.0 ** 15))")
   if clip_norm is not None:
     if isinstance(clip_norm, (str, bool)) or np.ndim(clip_norm) != 0:
       raise TypeError(
@@ -215,7 +317,13 @@ def with_loss_scale(
     if not (np.isfinite(clip_norm) and clip_norm > 0):
       raise ValueError(
           f"with_loss_scale: clip_norm must be > 0 and finite, got {clip_norm!r}")
+    clip_norm = float(clip_norm)
   axis_name = ls_lib.check_axis_name(axis_name, "with_loss_scale")
+  if (isinstance(accumulate_steps, (bool, np.bool_))
+      or not isinstance(accumulate_steps, (int, float, np.integer, np.floating))):
+    raise TypeError(
+        f"with_loss_scale: accumulate_steps must be a whole number >= 1, got "
+        f"{accumulate_steps!r}")
   if int(accumulate_steps) != accumulate_steps or accumulate_steps < 1:
     raise ValueError(
         f"with_loss_scale: accumulate_steps must be a whole number >= 1, got "
@@ -224,66 +332,113 @@ def with_loss_scale(
   k = int(accumulate_steps)
 
   def init(params):
+    if _inside_multisteps():
+      raise ValueError(
+          "with_loss_scale inside optax.MultiSteps: MultiSteps keeps a NaN "
+          "from one overflowing micro-batch in its accumulator for good. Use "
+          f"with_loss_scale(..., accumulate_steps=k) instead.")
+    with stored_params(params):
+      inner_state = inner.init(_for_inner(params))
+    if _contains_loss_scale_state(inner_state):
+      raise ValueError(
+          "with_loss_scale: inner already contains a with_loss_scale (e.g. "
+          "TrainState.create was given an already wrapped tx); the loss would "
+          "be unscaled twice. Wrap the optimizer once.")
     acc = () if k == 1 else jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), wide_dtype(p.dtype)), params)
+        lambda p: jnp.zeros(jnp.shape(p), wide_dtype(p.dtype)) if is_inexact(p) else
+        jnp.zeros(jnp.shape(p), p.dtype), params)
     return LossScaleState(
         loss_scale=loss_scale,
-        inner_state=inner.init(params),
+        inner_state=inner_state,
         skipped=jnp.array(False),
         skipped_steps=jnp.zeros((), jnp.int32),
-        grad_norm=jnp.zeros((), jnp.float32),
+        grad_norm=jnp.zeros((), _unscale.norm_dtype(params)),
+        nonfinite=_no_nonfinite(),
         mini_step=jnp.zeros((), jnp.int32),
         acc_grads=acc,
+        acc_finite=jnp.array(True),
     )
 
-  def step(grads, state, params, inv_scale, extra_args):
-    norm, finite = _global_norm_and_finite(grads, inv_scale)
+  def step(grads, state, params, extra_args, scale, earlier_ok):
+    info = _unscale.norm_and_factor(grads, scale, clip_norm)
+    finite = info.finite & earlier_ok
     if axis_name is not None:
       finite = jax.lax.psum((~finite).astype(jnp.int32), axis_name) == 0
-    factor = inv_scale
-    if clip_norm is not None:
-      factor = inv_scale * jnp.minimum(1.0, clip_norm / jnp.where(finite, norm, 1.0))
     like = params if params is not None else grads
 
-    def unscale(g, p):
-      wide = wide_dtype(g.dtype)
-      return (g.astype(wide) * factor.astype(wide)).astype(p.dtype)
-
     def apply():
-      unscaled = jax.tree.map(unscale, grads, like)
-      return inner.update(unscaled, state.inner_state, params, **extra_args)
+      unscaled = _grads_for_inner(grads, info.clip)
+      with stored_params(params):
+        updates, inner_state = inner.update(
+            unscaled, state.inner_state,
+            None if params is None else _for_inner(params), **extra_args)
+      updates = _fill_updates(updates, like)
+      return updates, _cast_like(inner_state, state.inner_state)
 
     def skip():
       return _no_op_updates(apply), state.inner_state
 
     updates, inner_state = jax.lax.cond(finite, apply, skip)
+    # Checked after the cond, where a skipped step's values are trivially
+    # finite, so that the flags vary over shard_map axes as the values do.
+    false = jnp.array(False)
+    bad = NonFinite(grads=~finite, updates=false, params=false, opt_state=false)
+    if check_results:
+      bad = bad._replace(
+          updates=~ls_lib.all_finite(updates),
+          params=(false if params is None
+                  else ~ls_lib.all_finite(_unscale.apply_updates(params, updates))),
+          opt_state=~ls_lib.all_finite(inner_state))
+    applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
+    if axis_name is not None:
+      applied = jax.lax.psum((~applied).astype(jnp.int32), axis_name) == 0
+    updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)), updates)
+    inner_state = jax.tree.map(lambda n, o: jnp.where(applied, n, o),
+                               inner_state, state.inner_state)
+    dtype = state.grad_norm.dtype
+    norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)
     new_state = state._replace(
         loss_scale=state.loss_scale.adjust(finite),
         inner_state=inner_state,
-        skipped=~finite,
-        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-        grad_norm=jnp.where(finite, norm, state.grad_norm).astype(jnp.float32),
+        skipped=~applied,
+        skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
+        grad_norm=jnp.where(applied, norm, state.grad_norm),
+        nonfinite=bad,
     )
     return updates, new_state
 
   def update(grads, state, params=None, **extra_args):
+    if not isinstance(state, LossScaleState):
+      raise TypeError(
+          "with_loss_scale.update: state must be this transformation's "
+          f"LossScaleState (from its init), got {type(state).__name__}.")
+    if (state.acc_grads == ()) != (k == 1):
+      raise ValueError(
+          "with_loss_scale.update: this state was made by a with_loss_scale "
+          f"with a different accumulate_steps (this one has {k}).")
     if params is not None:
       _check_grads_match_params(grads, params)
-    inv_scale = 1 / state.loss_scale.loss_scale.astype(jnp.float32)
+    scale = state.loss_scale.loss_scale.astype(jnp.float32)
     if k == 1:
-      return step(grads, state, params, inv_scale, extra_args)
+      return step(grads, state, params, extra_args, scale, jnp.array(True))
 
-    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, grads)
+    summed = jax.tree.map(
+        lambda a, g: a + g.astype(a.dtype) if is_inexact(a) else a, state.acc_grads, grads)
+    # Keep only finite sums: an overflowing micro-batch marks the step as
+    # skipped instead of leaving NaN in the state until it ends.
+    ok = ls_lib.all_finite(summed)
+    acc = jax.tree.map(lambda s, a: jnp.where(ok, s, a), summed, state.acc_grads)
+    acc_finite = state.acc_finite & ok
 
     def emit():
-      updates, new_state = step(acc, state, params, inv_scale / k, extra_args)
+      updates, new_state = step(acc, state, params, extra_args, scale * k, acc_finite)
       fresh = jax.tree.map(jnp.zeros_like, acc)
       return updates, new_state._replace(mini_step=jnp.zeros((), jnp.int32),
-                                         acc_grads=fresh)
+                                         acc_grads=fresh, acc_finite=jnp.array(True))
 
     def wait():
       return _no_op_updates(emit), state._replace(
-          mini_step=state.mini_step + 1, acc_grads=acc)
+          mini_step=state.mini_step + 1, acc_grads=acc, acc_finite=acc_finite)
 
     return jax.lax.cond(state.mini_step == k - 1, emit, wait)
 
@@ -296,9 +451,14 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState:
   Raises:
     ValueError: if there is none, or more than one.
   """
-  found = [s for s in jax.tree_util.tree_leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
-           if isinstance(s, LossScaleState)]
+  def search(tree):
+    found = [s for s in jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, LossScaleState))
+             if isinstance(s, LossScaleState)]
+    # A state nested inside another (built by hand) must count too.
+    return found + [n for s in found for n in search(s.inner_state)]
+
+  found = search(opt_state)
   if len(found) != 1:
     raise ValueError(
         f"Expected exactly one jmp_lite.optax.with_loss_scale state in opt_state, "
@@ -310,6 +470,6 @@ def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
   """Returns the loss scale to scale the next loss with, from any ``opt_state``.
 
   Finds the state of `with_loss_scale` wherever it sits (inside
-  ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps`` ...).
+  ``optax.chain``, ``optax.inject_hyperparams``, ``optax.masked`` ...).
   """
   return find_loss_scale_state(opt_state).loss_scale

@@ -60,13 +60,26 @@ def is_floating(x: Any) -> bool:
   return hasattr(x, "dtype") and bool(jnp.issubdtype(x.dtype, jnp.floating))
 
 
+def is_inexact(x: Any) -> bool:
+  """Whether ``x`` is an array with a floating or complex dtype.
+
+  What finiteness checks and loss-scale arithmetic cover; `is_floating` (real
+  only) is what policies cast.
+  """
+  return hasattr(x, "dtype") and bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+
 def wide_dtype(dtype: DTypeLike) -> np.dtype:
   """float32, or float64 for float64: where scaling and update arithmetic happens.
 
-  NumPy float64 without x64 counts as float32, what ``jnp.asarray`` makes of
-  it (asking for float64 explicitly there warns).
+  Complex dtypes widen to complex64 (complex128 for complex128), so that no
+  arithmetic drops an imaginary part. NumPy float64 without x64 counts as
+  float32, what ``jnp.asarray`` makes of it (asking for float64 explicitly
+  there warns).
   """
   canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+  if jnp.issubdtype(canonical, jnp.complexfloating):
+    return np.dtype(np.complex128 if canonical == np.complex128 else np.complex64)
   return np.dtype(np.float64 if canonical == np.float64 else np.float32)
 
 
@@ -270,6 +283,11 @@ def parse_dtype(value: str) -> np.dtype:
     return np.dtype(half_dtype())
   if value in name_to_dtype:
     return np.dtype(name_to_dtype[value])
+  if value in _AMBIGUOUS:
+    # NumPy reads "float" as float64; a policy author who writes it usually
+    # means float32. jmp rejects it too.
+    raise ValueError(
+        f"Ambiguous dtype '{value}': write 'float32' (f32) or 'float64' (f64).")
   try:
     dt = np.dtype(jnp.dtype(value))
     if jnp.issubdtype(dt, jnp.floating):
@@ -281,6 +299,8 @@ def parse_dtype(value: str) -> np.dtype:
       f"{sorted(name_to_dtype)} (e.g. 'f32' for 'float32', 'bf16' for "
       "'bfloat16').")
 
+
+_AMBIGUOUS = ("float",)
 
 _KEYS = {
     "p": "param_dtype", "params": "param_dtype", "param": "param_dtype",

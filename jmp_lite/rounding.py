@@ -35,7 +35,9 @@ A pure-bfloat16 recipe (params, compute and moments in bfloat16)::
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import contextlib
+import contextvars
+from typing import Any, Iterator, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +53,38 @@ def _is_low(p: Any) -> bool:
   return jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
 
 
-def _check_params(params: Any, name: str) -> None:
+# `jmp_lite.optax.with_loss_scale` runs its inner optimizer on float32 copies
+# of half-precision parameters, so that moments, hyperparameters and weight
+# decay are computed in float32. The rounding transforms below must still see
+# the parameters as stored: they round onto the stored dtype. The wrapper puts
+# the stored parameters here while it traces ``inner.init``/``inner.update``
+# (a trace-time Python value, like JAX's own configuration contexts).
+_STORED_PARAMS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jmp_lite_stored_params", default=None)
+
+
+@contextlib.contextmanager
+def stored_params(params: Any) -> Iterator[None]:
+  """While active, the rounding transforms round onto ``params``' dtypes."""
+  token = _STORED_PARAMS.set(params)
+  try:
+    yield
+  finally:
+    _STORED_PARAMS.reset(token)
+
+
+def _params_as_stored(params: Any, name: str) -> Any:
+  """``params``, or the stored parameters they are float32 copies of."""
+  stored = _STORED_PARAMS.get()
+  if stored is not None and params is not None:
+    same = jax.tree.structure(stored) == jax.tree.structure(params) and all(
+        np.shape(a) == np.shape(b)
+        for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(params)))
+    if same:
+      return stored
   if params is None:
     raise ValueError(f"{name} needs params: call update(updates, state, params).")
+  return params
 
 
 class StochasticRoundState(NamedTuple):
@@ -108,7 +139,7 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
     return StochasticRoundState(key=key)
 
   def update(updates, state, params=None):
-    _check_params(params, "stochastic_round")
+    params = _params_as_stored(params, "stochastic_round")
     step_key, next_key = jax.random.split(state.key)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(step_key, max(len(leaves), 1))
@@ -163,6 +194,8 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
   """
 
   def init(params):
+    params = _params_as_stored(params, "kahan_summation")
+
     def zeros(p):
       if not _is_low(p):
         return jnp.zeros((), jnp.float32)  # placeholder: nothing to compensate
@@ -170,7 +203,7 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
     return KahanState(jax.tree.map(zeros, params))
 
   def update(updates, state, params=None):
-    _check_params(params, "kahan_summation")
+    params = _params_as_stored(params, "kahan_summation")
 
     def one(u, p, c):
       if not _is_low(p):
@@ -190,6 +223,22 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
   return optax.GradientTransformation(init, update)
 
 
+def _saturating_cast(x: jax.Array, dtype) -> jax.Array:
+  """``x.astype(dtype)``, with finite values beyond ``dtype``'s range clipped to it.
+
+  A float16 second moment of a gradient of 1e4 is 1e8: rounded, it would be
+  inf and freeze its parameter for good; saturated, it is 65504. NaN and inf
+  are kept, so that `jmp_lite.optax.with_loss_scale` still sees them and skips.
+  """
+  if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)):
+    return x.astype(dtype)
+  limit = float(jnp.finfo(dtype).max)
+  if limit >= float(jnp.finfo(x.dtype).max):
+    return x.astype(dtype)
+  clipped = jnp.clip(x, -limit, limit)
+  return jnp.where(jnp.isfinite(x), clipped, x).astype(dtype)
+
+
 def with_state_dtype(inner: optax.GradientTransformation,
                      dtype: DTypeLike) -> optax.GradientTransformationExtraArgs:
   """Stores ``inner``'s floating state (moments, traces) in ``dtype``.
@@ -199,7 +248,10 @@ def with_state_dtype(inner: optax.GradientTransformation,
   that comes out has exactly the dtypes of the state that went in. Scalars
   in the state (hyperparameters of ``optax.inject_hyperparams``, step sizes)
   and integer counters keep their dtypes; only arrays of rank >= 1 are
-  stored in ``dtype``.
+  stored in ``dtype``. Finite values beyond ``dtype``'s range are stored as
+  its largest value (saturated), so a large gradient cannot make a float16
+  moment infinite; NaN and inf are kept, and `with_loss_scale` skips a step
+  that would store them.
 
   Args:
     inner: any optax transformation.
@@ -226,7 +278,8 @@ def with_state_dtype(inner: optax.GradientTransformation,
 
   def store(tree):
     return jax.tree.map(
-        lambda x: x.astype(dtype) if is_floating(x) and x.ndim >= 1 else x, tree)
+        lambda x: _saturating_cast(x, dtype) if is_floating(x) and x.ndim >= 1 else x,
+        tree)
 
   def widen(tree):
     return jax.tree.map(
@@ -241,7 +294,7 @@ def with_state_dtype(inner: optax.GradientTransformation,
     params = None if params is None else widen(params)
     new_updates, new_state = inner.update(widen(updates), widen(state), params,
                                           **extra_args)
-    new_state = jax.tree.map(lambda x, d: x.astype(d), new_state, kept)
+    new_state = jax.tree.map(_saturating_cast, new_state, kept)
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init, update)

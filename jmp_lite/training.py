@@ -155,6 +155,7 @@ class StepInfo(NamedTuple):
   skipped: jax.Array  # bool
   loss_scale: jax.Array  # the scale this step's loss was scaled with
   grad_norm: jax.Array  # global norm of the unscaled gradients
+  nonfinite: jo.NonFinite  # why the step was skipped, if it was
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -241,7 +242,7 @@ class TrainState(flax.struct.PyTreeNode):
     """
     updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
     return self.replace(step=self.step + 1,
-                        params=optax.apply_updates(self.params, updates),
+                        params=jo.apply_updates(self.params, updates),
                         opt_state=opt_state, **kwargs)
 
   def minimize(self, loss_fn: Callable[..., Any], *args, has_aux: bool = False,
@@ -272,4 +273,5 @@ class TrainState(flax.struct.PyTreeNode):
     new = self.apply_gradients(grads=grads)
     info = new.loss_scale_state
     return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,
-                         loss_scale=used_scale, grad_norm=info.grad_norm)
+                         loss_scale=used_scale, grad_norm=info.grad_norm,
+                         nonfinite=info.nonfinite)

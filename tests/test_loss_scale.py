@@ -31,7 +31,7 @@ JIT = pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
 DYNAMIC_FIELDS = {
     "loss_scale": F32, "counter": I32, "period": I32, "factor": F32,
     "min_loss_scale": F32, "max_loss_scale": F32, "hysteresis": I32,
-    "hysteresis_left": I32,
+    "hysteresis_left": I32, "consecutive_hysteresis": np.dtype(np.bool_),
 }
 
 
@@ -53,7 +53,8 @@ def unusual_dynamic():
   """A DynamicLossScale with no field at its default value."""
   return jmp_lite.DynamicLossScale(
       jnp.float32(1024.0), counter=3, period=7, factor=3.0, min_loss_scale=0.25,
-      max_loss_scale=2.0 ** 20, hysteresis=3, hysteresis_left=2)
+      max_loss_scale=2.0 ** 20, hysteresis=3, hysteresis_left=2,
+      consecutive_hysteresis=True)
 
 
 def field_values(ls):
@@ -85,6 +86,8 @@ def test_dynamic_defaults_are_jmps():
     assert getattr(ours, name) == getattr(theirs, name), name
   assert ours.max_loss_scale == F32_MAX
   assert ours.hysteresis == 1 and ours.hysteresis_left == 1
+  # Megatron-LM's and DeepSpeed's default: only a growth refills the hysteresis.
+  assert ours.consecutive_hysteresis.dtype == np.bool_ and not ours.consecutive_hysteresis
 
 
 SCALE_INPUTS = {
@@ -167,6 +170,90 @@ def test_bad_construction_input_is_a_value_error_showing_the_value(cls, kwargs, 
     cls(**kwargs)
 
 
+# Each case: the arguments, the exception, and the fragments its message must
+# contain: the argument's name and the value given.
+ORDER_AND_TYPE_ERRORS = {
+    "min_above_scale": (
+        dict(loss_scale=2.0, min_loss_scale=4.0), ValueError,
+        ["min_loss_scale=4.0", "loss_scale=2.0"]),
+    # The default floor of 1 is above a small starting scale: say which it is.
+    "default_min_above_scale": (
+        dict(loss_scale=0.5), ValueError,
+        ["min_loss_scale=1.0", "loss_scale=0.5", "min_loss_scale <= 0.5"]),
+    "scale_above_max": (
+        dict(loss_scale=8.0, max_loss_scale=4.0), ValueError,
+        ["loss_scale=8.0", "max_loss_scale=4.0"]),
+    "scale_above_max_large": (
+        dict(loss_scale=2.0 ** 100, max_loss_scale=2.0 ** 90), ValueError,
+        [f"loss_scale={2.0 ** 100}", f"max_loss_scale={2.0 ** 90}"]),
+    "hysteresis_left_zero": (
+        dict(loss_scale=2.0, hysteresis=3, hysteresis_left=0), ValueError,
+        ["hysteresis_left", "hysteresis=3", "got 0"]),
+    "hysteresis_left_negative": (
+        dict(loss_scale=2.0, hysteresis_left=-1), ValueError,
+        ["hysteresis_left", "hysteresis=1", "got -1"]),
+    "hysteresis_left_above_hysteresis": (
+        dict(loss_scale=2.0, hysteresis=3, hysteresis_left=4), ValueError,
+        ["hysteresis_left", "hysteresis=3", "got 4"]),
+    "scale_str": (dict(loss_scale="1024"), TypeError, ["loss_scale", "'1024'"]),
+    "scale_bytes": (dict(loss_scale=b"2"), TypeError, ["loss_scale", "b'2'"]),
+    "scale_none": (dict(loss_scale=None), TypeError, ["loss_scale", "None"]),
+    "min_none": (dict(loss_scale=2.0, min_loss_scale=None), TypeError,
+                 ["min_loss_scale", "None"]),
+    "period_str": (dict(loss_scale=2.0, period="10"), TypeError, ["period", "'10'"]),
+    "consecutive_str": (dict(loss_scale=2.0, consecutive_hysteresis="yes"), TypeError,
+                        ["consecutive_hysteresis", "'yes'"]),
+    "consecutive_int": (dict(loss_scale=2.0, consecutive_hysteresis=1), TypeError,
+                        ["consecutive_hysteresis", "got 1"]),
+    "consecutive_none": (dict(loss_scale=2.0, consecutive_hysteresis=None), TypeError,
+                         ["consecutive_hysteresis", "None"]),
+    "consecutive_vector": (
+        dict(loss_scale=2.0, consecutive_hysteresis=np.array([True, False])), TypeError,
+        ["consecutive_hysteresis", "[ True, False]"]),
+    "consecutive_int32": (
+        dict(loss_scale=2.0, consecutive_hysteresis=jnp.int32(1)), TypeError,
+        ["consecutive_hysteresis", "Array(1, dtype=int32)"]),
+}
+
+
+@pytest.mark.parametrize("kwargs, error, fragments", ORDER_AND_TYPE_ERRORS.values(),
+                         ids=ORDER_AND_TYPE_ERRORS.keys())
+def test_bad_order_range_or_type_names_the_argument_and_shows_the_value(
+    kwargs, error, fragments):
+  with pytest.raises(error) as info:
+    jmp_lite.DynamicLossScale(**kwargs)
+  for fragment in fragments:
+    assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_order_errors_show_the_value_passed_not_its_float32_rounding():
+  with pytest.raises(ValueError) as info:
+    jmp_lite.DynamicLossScale(0.2, min_loss_scale=0.3)
+  assert "min_loss_scale=0.3 " in str(info.value) and "loss_scale=0.2" in str(info.value)
+
+
+def test_string_scale_is_a_type_error_for_static_too():
+  with pytest.raises(TypeError, match="loss_scale must be a number or a scalar array, got '2'"):
+    jmp_lite.StaticLossScale("2")
+
+
+def test_boundary_values_are_accepted():
+  # The checks are inclusive: a scale at its floor and cap, a full or an
+  # exhausted tolerance, and every spelling of a boolean flag.
+  ls = jmp_lite.DynamicLossScale(4.0, min_loss_scale=4.0, max_loss_scale=4.0)
+  assert ls.min_loss_scale == ls.loss_scale == ls.max_loss_scale == 4.0
+  for left in (1, 3):
+    ls = jmp_lite.DynamicLossScale(2.0, hysteresis=3, hysteresis_left=left)
+    assert ls.hysteresis_left == left
+  for flag in (True, np.bool_(True), jnp.bool_(True), np.array(True)):
+    ls = jmp_lite.DynamicLossScale(2.0, consecutive_hysteresis=flag)
+    assert ls.consecutive_hysteresis.dtype == np.bool_ and bool(ls.consecutive_hysteresis)
+  # Traced values are not known when constructed, so they are not checked.
+  traced = jax.jit(lambda s, left: jmp_lite.DynamicLossScale(
+      s, hysteresis=2, hysteresis_left=left))(jnp.float32(0.5), jnp.int32(2))
+  assert traced.loss_scale == 0.5 and traced.hysteresis_left == 2
+
+
 @pytest.mark.parametrize("cls", [jmp_lite.StaticLossScale, jmp_lite.DynamicLossScale])
 def test_zero_scale_is_rejected_unlike_jmp(cls):
   # jmp accepts StaticLossScale(0), whose unscale divides by zero.
@@ -222,7 +309,9 @@ def _identity_transforms():
 
   return {
       "jit": jax.jit(lambda ls: ls),
-      "jit_copy": jax.jit(lambda ls: jax.tree.map(lambda x: x + 0, ls)),
+      # x + zeros_like(x): a computed copy of every leaf, bool included, with
+      # no promotion (strict promotion rejects bool + 0).
+      "jit_copy": jax.jit(lambda ls: jax.tree.map(lambda x: x + jnp.zeros_like(x), ls)),
       "tree_map": lambda ls: jax.tree.map(lambda x: x, ls),
       "tree_map_np": lambda ls: jax.tree.map(jnp.asarray, jax.tree.map(np.asarray, ls)),
       "scan": scan,
@@ -436,18 +525,44 @@ def test_dynamic_trajectory_matches_jmp(seed):
   assert step._cache_size() == 1
 
 
-def test_hysteresis_delays_backoff():
-  ls = jmp_lite.DynamicLossScale(64.0, period=2, hysteresis=3)
-  trace = []
-  for finite in (False, False, False, False, True, False, False, True, True):
-    ls = ls.adjust(jnp.bool_(finite))
-    trace.append((float(ls.loss_scale), int(ls.counter), int(ls.hysteresis_left)))
-  assert trace == [
-      (64.0, 0, 2), (64.0, 0, 1), (32.0, 0, 0), (16.0, 0, 0),  # Backs off on the 3rd.
-      (16.0, 1, 3),  # A finite step restores the tolerance.
-      (16.0, 0, 2), (16.0, 0, 1),
-      (16.0, 1, 3), (32.0, 0, 3),  # Growth is unaffected.
-  ]
+# (loss_scale, counter, hysteresis_left) after each of the finite flags
+# F F F F T F F T T, then F T F F, from DynamicLossScale(64.0, period=2,
+# hysteresis=3).
+HYSTERESIS_FLAGS = (False, False, False, False, True, False, False, True, True,
+                    False, True, False, False)
+HYSTERESIS_TRACES = {
+    # Megatron-LM's and DeepSpeed's default: only a growth refills the tolerance.
+    False: [
+        (64.0, 0, 2), (64.0, 0, 1), (32.0, 0, 1), (16.0, 0, 1),  # Backs off on the 3rd.
+        (16.0, 1, 1),  # A finite step does not refill the tolerance ...
+        (8.0, 0, 1), (4.0, 0, 1),  # ... so the next overflows back off at once.
+        (4.0, 1, 1), (8.0, 0, 3),  # A growth refills it.
+        (8.0, 0, 2), (8.0, 1, 2),
+        (8.0, 0, 1), (4.0, 0, 1),  # 3 overflows in a period, apart: backs off.
+    ],
+    # DeepSpeed's consecutive_hysteresis=True: every finite step refills it.
+    True: [
+        (64.0, 0, 2), (64.0, 0, 1), (32.0, 0, 1), (16.0, 0, 1),  # Backs off on the 3rd.
+        (16.0, 1, 3),  # A finite step refills the tolerance.
+        (16.0, 0, 2), (16.0, 0, 1),
+        (16.0, 1, 3), (32.0, 0, 3),  # Growth is unaffected.
+        (32.0, 0, 2), (32.0, 1, 3),
+        (32.0, 0, 2), (32.0, 0, 1),  # Only 3 overflows in a row back off.
+    ],
+}
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_hysteresis_delays_backoff(consecutive):
+  step = jax.jit(lambda ls, finite: ls.adjust(finite))
+  eager = jitted = jmp_lite.DynamicLossScale(64.0, period=2, hysteresis=3,
+                                             consecutive_hysteresis=consecutive)
+  for n, (finite, want) in enumerate(zip(HYSTERESIS_FLAGS, HYSTERESIS_TRACES[consecutive])):
+    eager = eager.adjust(jnp.bool_(finite))
+    jitted = step(jitted, np.bool_(finite))
+    for ls in (eager, jitted):
+      assert (float(ls.loss_scale), int(ls.counter), int(ls.hysteresis_left)) == want, n
+  assert step._cache_size() == 1
 
 
 def test_max_loss_scale_caps_growth_and_overflow_keeps_scale():
@@ -492,15 +607,23 @@ def test_adjust_accepts_boolean_scalars(flag):
 # A plain-Python model of DynamicLossScale, from the pseudo-code in its docstring:
 #
 #     if all_finite(grads):
-#       counter += 1; left = hysteresis
+#       counter += 1
+#       if consecutive_hysteresis:
+#         left = hysteresis
 #       if counter == period:
-#         counter = 0
+#         counter = 0; left = hysteresis
 #         if isfinite(loss_scale * factor):
 #           loss_scale = min(loss_scale * factor, max_loss_scale)
 #     else:
-#       counter = 0; left = max(left - 1, 0)
-#       if left == 0:
+#       counter = 0
+#       if left > 1:
+#         left -= 1
+#       else:
 #         loss_scale = max(min_loss_scale, loss_scale / factor, tiny_f32)
+#
+# tests/test_loss_scale_reference.py checks the same semantics against
+# Megatron-LM's and DeepSpeed's own code; this model also covers our extras
+# (the cap, the isfinite test on growth, the tiny floor, any factor).
 
 
 def model_trajectory(init, flags):
@@ -510,22 +633,27 @@ def model_trajectory(init, flags):
   lo, hi = f32(init["min_loss_scale"]), f32(init["max_loss_scale"])
   counter, left = init["counter"], init["hysteresis_left"]
   period, hysteresis = init["period"], init["hysteresis"]
+  consecutive = init["consecutive_hysteresis"]
   out = []
   with np.errstate(over="ignore", under="ignore"):
     for finite in flags:
       if finite:
         counter += 1
-        left = hysteresis
+        if consecutive:
+          left = hysteresis
         if counter == period:
           counter = 0
+          left = hysteresis
           grown = f32(scale * factor)
           if np.isfinite(grown):
             scale = min(grown, hi)
       else:
         counter = 0
-        left = max(left - 1, 0)
-        if left == 0:
+        if left > 1:
+          left -= 1
+        else:
           scale = max(lo, f32(scale / factor), f32(F32_TINY))
+      assert 1 <= left <= hysteresis  # The range the constructor enforces.
       out.append((f32(scale), counter, left))
   return out
 
@@ -535,11 +663,16 @@ def dynamic_configs(draw):
   f32 = dict(width=32, allow_nan=False, allow_infinity=False)
   period = draw(st.integers(1, 6))
   hysteresis = draw(st.integers(1, 4))
-  lo = draw(st.one_of(st.just(0.0), st.just(1.0), st.floats(0.0, 1e4, **f32)))
-  hi = draw(st.one_of(st.just(F32_MAX), st.floats(max(lo, F32_TINY), F32_MAX, **f32)))
+  # Drawn as float32 values, so that the bounds below are representable and
+  # the constructor compares the same numbers: min <= loss_scale <= max.
+  scale = float(np.float32(draw(st.one_of(
+      st.floats(2.0 ** -20, F32_MAX, **f32),
+      st.sampled_from([1.0, 2.0 ** 15, F32_MAX / 3])))))
+  lo = draw(st.one_of(st.just(0.0), st.just(min(1.0, scale)), st.just(scale),
+                      st.floats(0.0, scale, **f32)))
+  hi = draw(st.one_of(st.just(F32_MAX), st.just(scale), st.floats(scale, F32_MAX, **f32)))
   return dict(
-      loss_scale=draw(st.one_of(st.floats(2.0 ** -20, F32_MAX, **f32),
-                                st.sampled_from([1.0, 2.0 ** 15, F32_MAX / 3]))),
+      loss_scale=scale,
       counter=draw(st.integers(0, period - 1)),
       period=period,
       factor=draw(st.one_of(st.sampled_from([2.0, 3.0, 1.5]),
@@ -547,7 +680,8 @@ def dynamic_configs(draw):
       min_loss_scale=lo,
       max_loss_scale=hi,
       hysteresis=hysteresis,
-      hysteresis_left=draw(st.integers(0, hysteresis)),
+      hysteresis_left=draw(st.integers(1, hysteresis)),
+      consecutive_hysteresis=draw(st.booleans()),
   )
 
 
@@ -579,6 +713,7 @@ def test_adjust_matches_model_unjitted(init, flags):
   assert_matches_model(init, flags, states(trajectory))
   for field in ("period", "factor", "min_loss_scale", "max_loss_scale", "hysteresis"):
     assert np.float32(getattr(ls, field)) == np.float32(init[field])
+  assert bool(ls.consecutive_hysteresis) is init["consecutive_hysteresis"]
 
 
 _JIT_ADJUST = jax.jit(lambda ls, finite: ls.adjust(finite))

@@ -1,0 +1,201 @@
+"""Numerics of `jmp_lite.optax.with_loss_scale`: one pass over scaled gradients.
+
+From the gradients of the scaled loss it derives, in the common case with one
+read of the gradients: whether they are finite, the global norm of the
+*unscaled* gradients, and the factor that unscales and clips them. The factor
+is kept as ``mantissa * 2**exponent`` and applied as two multiplications by
+normal numbers, because its value can be subnormal (a loss scale of 2**127,
+or clipping gradients of 1e38 to norm 1), and XLA flushes subnormals to zero
+on CPUs and GPUs: a subnormal factor would silently zero the update.
+
+Leaves that take part: floating and complex arrays of 16 bits or more. fp8
+leaves (quantisation metadata stored beside parameters) are checked for
+finiteness but neither unscaled, clipped nor counted in the norm; integer,
+boolean and float0 leaves pass through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite import loss_scale as ls_lib
+from jmp_lite.policy import is_inexact
+from jmp_lite.policy import is_low_bit_float
+from jmp_lite.policy import wide_dtype
+
+
+def is_scaled(x: Any) -> bool:
+  """Whether a gradient leaf carries the loss scale (and is unscaled, clipped, normed)."""
+  return is_inexact(x) and not is_low_bit_float(jnp.real(jnp.zeros((), x.dtype)).dtype)
+
+
+def real_wide_dtype(dtype) -> np.dtype:
+  """float32 or float64: the real dtype that arithmetic on ``dtype`` happens in."""
+  return np.dtype(jnp.real(jnp.zeros((), wide_dtype(dtype))).dtype)
+
+
+def norm_dtype(tree: Any) -> np.dtype:
+  """float64 if any scaled leaf of ``tree`` computes in float64, else float32."""
+  wides = {real_wide_dtype(x.dtype) for x in jax.tree.leaves(tree) if is_scaled(x)}
+  return np.dtype(np.float64 if np.dtype(np.float64) in wides else np.float32)
+
+
+class Factor(NamedTuple):
+  """A positive scalar ``mantissa * 2**exponent`` that may be outside the normal range."""
+
+  mantissa: jax.Array
+  exponent: jax.Array  # int32
+
+
+def _pow2(e: jax.Array, dtype) -> jax.Array:
+  """Exactly ``2**e`` in ``dtype`` for ``e`` in its normal exponent range.
+
+  Built from the bits: ``exp2`` is approximate on some backends.
+  """
+  info = jnp.finfo(dtype)
+  bits = info.nmant + 1  # mantissa bits, with the implicit one
+  int_dtype = jnp.int64 if info.bits == 64 else jnp.int32
+  biased = (e.astype(int_dtype) + (info.maxexp - 1)) << (bits - 1)
+  return jax.lax.bitcast_convert_type(biased, dtype)
+
+
+def _frexp(x: jax.Array) -> Factor:
+  m, e = jnp.frexp(x)
+  return Factor(m, e.astype(jnp.int32))
+
+
+def _normal_pair(factor: Factor, dtype) -> tuple[jax.Array, jax.Array]:
+  """Two normal numbers of real ``dtype`` whose product is ``factor``.
+
+  ``2**e1`` with ``e1`` clipped to the normal exponents, and the rest,
+  ``mantissa * 2**(e - e1)``, normal too unless the factor itself lies beyond
+  ``2**(+-2 * maxexp)``.
+  """
+  info = jnp.finfo(dtype)
+  e1 = jnp.clip(factor.exponent, info.minexp, info.maxexp - 1)
+  e2 = jnp.clip(factor.exponent - e1, info.minexp, info.maxexp - 1)
+  return _pow2(e1, dtype), factor.mantissa.astype(dtype) * _pow2(e2, dtype)
+
+
+def apply_factor(g: jax.Array, factor: Factor) -> jax.Array:
+  """``g * factor`` in ``g``'s wide dtype, with no subnormal intermediate factor."""
+  wide = wide_dtype(g.dtype)
+  a, b = _normal_pair(factor, real_wide_dtype(g.dtype))
+  return g.astype(wide) * a.astype(wide) * b.astype(wide)
+
+
+def _abs2(g: jax.Array, dtype, pair=None) -> jax.Array:
+  """``|g * a * b|**2`` elementwise in real ``dtype`` (both parts of complex ``g``)."""
+  x = g.astype(wide_dtype(g.dtype))
+  parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
+  out = 0
+  for p in parts:
+    p = p.astype(dtype)
+    if pair is not None:
+      p = p * pair[0] * pair[1]
+    out = out + p * p
+  return out
+
+
+class NormInfo(NamedTuple):
+  finite: jax.Array  # bool: every leaf finite
+  norm: jax.Array  # unscaled global norm (inf if beyond the dtype's range)
+  unscale: Factor  # 1 / loss_scale
+  clip: Factor  # the unscale factor times min(1, clip_norm / norm)
+
+
+def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
+  """Finiteness, unscaled global norm and unscale(-and-clip) factor of ``grads``.
+
+  The common case reads the gradients once: ``sum((g / scale)**2)`` is finite
+  only if every element is. Only when it is not (a NaN or inf, or a norm beyond
+  the square root of the largest float) does a second pass tell the two apart
+  exactly and compute the norm from gradients divided by their largest
+  magnitude, so that any finite norm is exact and clipping always works.
+  """
+  leaves = [g for g in jax.tree.leaves(grads) if is_scaled(g)]
+  low = [g for g in jax.tree.leaves(grads) if is_inexact(g) and not is_scaled(g)]
+  dtype = norm_dtype(grads)
+  scale = loss_scale.astype(dtype)
+  ms, es = _frexp(scale)
+  unscale = Factor(1 / ms, -es)  # 1/ms is in (1, 2]
+  if not leaves:
+    finite = ls_lib.all_finite(low)
+    zero = jnp.zeros((), dtype)
+    return NormInfo(finite, zero, unscale, unscale)
+  # 1/scale is subnormal for scales above 2**126: unscale in two steps.
+  inv = _normal_pair(unscale, dtype)
+  sq = jnp.sum(jnp.stack([jnp.sum(_abs2(g, dtype, inv)) for g in leaves]))
+
+  def fast():
+    # sqrt(sq) = the unscaled norm directly; `finite` is True here (returned
+    # rather than a constant so that both branches vary alike under shard_map).
+    finite = jnp.isfinite(sq)
+    # 0, derived from `sq` so that it varies over shard_map axes as `slow`'s does.
+    return finite, jnp.sqrt(sq), jnp.isnan(sq).astype(jnp.int32)
+
+  def slow():
+    finite = ls_lib.all_finite(leaves)
+    top = jnp.max(jnp.stack([_absmax(g, dtype) for g in leaves]))
+    top = jnp.where(finite & (top > 0), top, 1)
+    _, et = _frexp(top)  # every |component| / 2**et <= 1
+    half = et // 2  # 2**-et in two exact steps, each a normal number
+    return finite, jnp.sqrt(_scaled_sumsq(leaves, dtype, half, et - half)), et
+
+  slow_path = ~jnp.isfinite(sq)
+  finite, root, et = jax.lax.cond(slow_path, slow, fast)
+  if low:
+    finite = finite & ls_lib.all_finite(low)
+  # fast: the norm is `root` (already unscaled); slow: root * 2**et / scale.
+  r_m, r_e = _frexp(jnp.where(slow_path, root / ms, root))
+  norm = _ldexp(r_m, jnp.where(slow_path, r_e + et - es, r_e), dtype)
+  if clip_norm is None:
+    return NormInfo(finite, norm, unscale, unscale)
+  # unscale * clip_norm / norm: fast = (c / root) / scale; slow = (c / root) / 2**et.
+  q_m, q_e = _frexp(jnp.asarray(clip_norm, dtype) / jnp.where(root > 0, root, 1))
+  clip_m = jnp.where(slow_path, q_m, q_m / ms)
+  clip_e = jnp.where(slow_path, q_e - et, q_e - es)
+  active = finite & (norm > clip_norm)
+  clip = Factor(jnp.where(active, clip_m, unscale.mantissa),
+                jnp.where(active, clip_e, unscale.exponent))
+  return NormInfo(finite, norm, unscale, clip)
+
+
+def _absmax(g: jax.Array, dtype) -> jax.Array:
+  """Largest magnitude of a real or imaginary part of ``g``, in real ``dtype``."""
+  x = g.astype(wide_dtype(g.dtype))
+  parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
+  return jnp.max(jnp.stack([jnp.max(jnp.abs(p)).astype(dtype) for p in parts]))
+
+
+def _scaled_sumsq(leaves, dtype, e1, e2):
+  """``sum(|g * 2**-(e1 + e2)|**2)`` over ``leaves``, each factor a normal power of two."""
+  pair = (_pow2(-e1, dtype), _pow2(-e2, dtype))
+  return jnp.sum(jnp.stack([jnp.sum(_abs2(g, dtype, pair)) for g in leaves]))
+
+
+def _ldexp(m: jax.Array, e: jax.Array, dtype) -> jax.Array:
+  """``m * 2**e``, saturating to inf or 0 outside ``dtype``'s range."""
+  info = jnp.finfo(dtype)
+  e1 = jnp.clip(e, info.minexp, info.maxexp - 1)
+  e2 = jnp.clip(e - e1, info.minexp, info.maxexp - 1)
+  return m.astype(dtype) * _pow2(e1, dtype) * _pow2(e2, dtype)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+  """``optax.apply_updates``, independent of the dtype promotion mode.
+
+  Each new parameter is ``p + u`` computed in the wider of the two dtypes and
+  rounded once to ``p``'s dtype: what ``optax.apply_updates`` computes under
+  JAX's standard promotion. It also works under
+  ``jax_numpy_dtype_promotion="strict"``, where ``optax.apply_updates``
+  rejects a float32 update for a bfloat16 parameter.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return jax.tree.map(
+        lambda p, u: None if p is None else jnp.asarray(p + u).astype(jnp.asarray(p).dtype),
+        params, updates, is_leaf=lambda x: x is None)
