@@ -6,6 +6,8 @@ same batches, under each policy:
   f32          float32 everywhere (the reference).
   bf16         float32 master params, bfloat16 compute (`jmp_lite.flax.wrap`).
   f16          float32 master params, float16 compute, dynamic loss scaling.
+  pure_f16     float16 params and compute (O3 on a float16 GPU), plain Adam,
+               dynamic loss scaling: `with_loss_scale` keeps Adam in float32.
   pure_bf16    bfloat16 params and Adam moments, round-to-nearest updates.
   pure_bf16_sr     ... with stochastic rounding of the updates.
   pure_bf16_kahan  ... with Kahan-compensated updates.
@@ -16,6 +18,7 @@ The data ships with scikit-learn (1,797 8x8 images); nothing is downloaded.
 
 Example:
   python examples/train_digits.py --steps 600 --policies f32,bf16,f16
+  python examples/train_digits.py --policies f32,f16,pure_f16
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ POLICIES = {
     "f32": "p=f32,c=f32,o=f32",
     "bf16": "p=f32,c=bf16,o=f32",
     "f16": "p=f32,c=f16,o=f32",
+    "pure_f16": "p=f16,c=f16,o=f32",
     "pure_bf16": "p=bf16,c=bf16,o=f32",
     "pure_bf16_sr": "p=bf16,c=bf16,o=f32",
     "pure_bf16_kahan": "p=bf16,c=bf16,o=f32",

@@ -1,4 +1,5 @@
-"""Numerics of `jmp_lite.optax.with_loss_scale`: one pass over scaled gradients.
+"""Numerics of `jmp_lite.optax.with_loss_scale`: one pass over scaled gradients,
+and what its inner optimizer sees.
 
 From the gradients of the scaled loss it derives, in the common case with one
 read of the gradients: whether they are finite, the global norm of the
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import loss_scale as ls_lib
+from jmp_lite.policy import is_floating
 from jmp_lite.policy import is_inexact
 from jmp_lite.policy import is_low_bit_float
 from jmp_lite.policy import wide_dtype
@@ -184,6 +186,49 @@ def _ldexp(m: jax.Array, e: jax.Array, dtype) -> jax.Array:
   e1 = jnp.clip(e, info.minexp, info.maxexp - 1)
   e2 = jnp.clip(e - e1, info.minexp, info.maxexp - 1)
   return m.astype(dtype) * _pow2(e1, dtype) * _pow2(e2, dtype)
+
+
+# What the inner optimizer of `with_loss_scale` sees.
+
+
+def for_inner(tree: Any) -> Any:
+  """What the inner optimizer sees of params: 16-bit floats as float32 copies.
+
+  Integer and boolean leaves become None (an empty subtree to optax), since no
+  optimizer can update them.
+  """
+  def one(x):
+    if not is_inexact(x):
+      return None
+    if is_floating(x) and jnp.finfo(x.dtype).bits == 16:
+      return x.astype(jnp.float32)
+    return x
+  return jax.tree.map(one, tree)
+
+
+def grads_for_inner(grads: Any, factor: Factor) -> Any:
+  """Unscaled (and clipped) gradients in float32/float64/complex; None for non-floats."""
+  def one(g):
+    if not is_inexact(g):
+      return None
+    return apply_factor(g, factor) if is_scaled(g) else g
+  return jax.tree.map(one, grads)
+
+
+def fill_updates(updates: Any, like: Any) -> Any:
+  """The inner's updates with zeros where ``like`` has integer or boolean leaves."""
+  def one(u, x):
+    if x is None or is_inexact(x):
+      return u if x is not None else None
+    if x.dtype == jax.dtypes.float0:  # no params given: a float0 gradient
+      return x
+    return jnp.zeros(np.shape(x), x.dtype)
+  return jax.tree.map(one, updates, like, is_leaf=lambda u: u is None)
+
+
+def cast_like(new: Any, old: Any) -> Any:
+  """``new`` in ``old``'s dtypes: a state must keep its types across a step."""
+  return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
 
 
 def apply_updates(params: Any, updates: Any) -> Any:

@@ -53,7 +53,6 @@ import optax
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._unscale import apply_updates
-from jmp_lite.policy import is_floating
 from jmp_lite.policy import is_inexact
 from jmp_lite.policy import wide_dtype
 from jmp_lite.rounding import KahanState
@@ -158,41 +157,24 @@ def _check_grads_match_params(grads: Any, params: Any) -> None:
           f"{np.shape(g)} but its parameter has shape {np.shape(p)}.")
 
 
-def _for_inner(tree: Any) -> Any:
-  """What the inner optimizer sees of params: 16-bit floats as float32 copies.
+def _check_written(updates: Any, params: Any, inner_state: Any):
+  """Whether the updates, the new parameters and ``inner_state`` are not finite.
 
-  Integer and boolean leaves become None (an empty subtree to optax), since no
-  optimizer can update them.
+  One reduction over what the step writes in the common case: with params,
+  ``params + updates`` finite implies finite updates (params are finite, as
+  this transformation wrote them). The per-part flags are worked out only
+  when that reduction fails.
   """
-  def one(x):
-    if not is_inexact(x):
-      return None
-    if is_floating(x) and jnp.finfo(x.dtype).bits == 16:
-      return x.astype(jnp.float32)
-    return x
-  return jax.tree.map(one, tree)
+  new_params = None if params is None else _unscale.apply_updates(params, updates)
+  ok = ls_lib.all_finite((updates if params is None else new_params, inner_state))
 
+  def which():
+    return (~ls_lib.all_finite(updates),
+            ~ok if params is None else ~ls_lib.all_finite(new_params),
+            ~ls_lib.all_finite(inner_state))
 
-def _grads_for_inner(grads: Any, factor: _unscale.Factor) -> Any:
-  """Unscaled (and clipped) gradients in float32/float64/complex; None for non-floats."""
-  def one(g):
-    if not is_inexact(g):
-      return None
-    return _unscale.apply_factor(g, factor) if _unscale.is_scaled(g) else g
-  return jax.tree.map(one, grads)
-
-
-def _fill_updates(updates: Any, like: Any) -> Any:
-  """The inner's updates with zeros where ``like`` has integer or boolean leaves."""
-  return jax.tree.map(
-      lambda u, x: None if x is None else (
-          u if is_inexact(x) else jnp.zeros(np.shape(x), x.dtype)),
-      updates, like, is_leaf=lambda u: u is None)
-
-
-def _cast_like(new: Any, old: Any) -> Any:
-  """``new`` in ``old``'s dtypes: a state must keep its types across a step."""
-  return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
+  # ~ok (False) rather than constants, so both branches vary alike under shard_map.
+  return jax.lax.cond(ok, lambda: (~ok, ~ok, ~ok), which)
 
 
 def _contains_loss_scale_state(tree: Any) -> bool:
@@ -338,7 +320,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
           "from one overflowing micro-batch in its accumulator for good. Use "
           f"with_loss_scale(..., accumulate_steps=k) instead.")
     with stored_params(params):
-      inner_state = inner.init(_for_inner(params))
+      inner_state = inner.init(_unscale.for_inner(params))
     if _contains_loss_scale_state(inner_state):
       raise ValueError(
           "with_loss_scale: inner already contains a with_loss_scale (e.g. "
@@ -367,13 +349,13 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     like = params if params is not None else grads
 
     def apply():
-      unscaled = _grads_for_inner(grads, info.clip)
+      unscaled = _unscale.grads_for_inner(grads, info.clip)
       with stored_params(params):
         updates, inner_state = inner.update(
             unscaled, state.inner_state,
-            None if params is None else _for_inner(params), **extra_args)
-      updates = _fill_updates(updates, like)
-      return updates, _cast_like(inner_state, state.inner_state)
+            None if params is None else _unscale.for_inner(params), **extra_args)
+      updates = _unscale.fill_updates(updates, like)
+      return updates, _unscale.cast_like(inner_state, state.inner_state)
 
     def skip():
       return _no_op_updates(apply), state.inner_state
@@ -384,17 +366,19 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     false = jnp.array(False)
     bad = NonFinite(grads=~finite, updates=false, params=false, opt_state=false)
     if check_results:
-      bad = bad._replace(
-          updates=~ls_lib.all_finite(updates),
-          params=(false if params is None
-                  else ~ls_lib.all_finite(_unscale.apply_updates(params, updates))),
-          opt_state=~ls_lib.all_finite(inner_state))
-    applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
-    if axis_name is not None:
-      applied = jax.lax.psum((~applied).astype(jnp.int32), axis_name) == 0
-    updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)), updates)
-    inner_state = jax.tree.map(lambda n, o: jnp.where(applied, n, o),
-                               inner_state, state.inner_state)
+      u_bad, p_bad, s_bad = _check_written(updates, params, inner_state)
+      bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)
+      applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
+      if axis_name is not None:
+        applied = jax.lax.psum((~applied).astype(jnp.int32), axis_name) == 0
+      # Fuses with the computation of the new values on XLA:CPU and GPU
+      # (bench/ guard section); a second cond would copy every buffer.
+      updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)),
+                             updates)
+      inner_state = jax.tree.map(lambda n, o: jnp.where(applied, n, o),
+                                 inner_state, state.inner_state)
+    else:
+      applied = finite
     dtype = state.grad_norm.dtype
     norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)
     new_state = state._replace(

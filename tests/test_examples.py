@@ -23,10 +23,14 @@ def _run(script, tmp_path, *flags):
 
 def test_train_digits(tmp_path):
   summary, stdout = _run("train_digits.py", tmp_path, "--steps", "40",
-                         "--policies", "f32,f16,pure_bf16_kahan")
+                         "--policies", "f32,f16,pure_f16,pure_bf16_kahan")
   results = summary["results"]
-  assert set(results) == {"f32", "f16", "pure_bf16_kahan"}
+  assert set(results) == {"f32", "f16", "pure_f16", "pure_bf16_kahan"}
   assert results["f16"]["policy"] == "p=f32,c=f16,o=f32"
+  # float16 parameters with plain Adam: with_loss_scale keeps Adam in float32,
+  # so nothing is NaN and steps are not all skipped.
+  assert results["pure_f16"]["policy"] == "p=f16,c=f16,o=f32"
+  assert results["pure_f16"]["skipped_steps"] < 10
   for r in results.values():
     assert 0.5 < r["test_accuracy"] <= 1.0  # 40 steps already learn something
   # Pure bf16 stores params in half the bytes (LayerNorm's stay in f32).

@@ -14,10 +14,11 @@ in the output and the run goes on with the next one.
 from bench.sections import all_finite
 from bench.sections import compiles
 from bench.sections import fused_clip
+from bench.sections import guard
 from bench.sections import matmul
 from bench.sections import memory
 from bench.sections import steps
 
 # Later sections (the Flax `wrap` bench, an autocast bench, the examples' timings)
 # go here, in the order they should run.
-SECTIONS = {m.NAME: m for m in (all_finite, matmul, steps, fused_clip, compiles, memory)}
+SECTIONS = {m.NAME: m for m in (all_finite, matmul, steps, fused_clip, guard, compiles, memory)}

@@ -1,0 +1,83 @@
+"""What checking a step's results costs: the guarded update vs gradients-only checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from bench import harness
+from bench.harness import Column, SectionResult, Table, Target
+
+NAME = "guard"
+TITLE = "Guarded update: checking updates, new parameters and new state"
+DESCRIPTION = (
+    "One whole optimizer step (`with_loss_scale(adam).update` then "
+    "`apply_updates`, jitted together) on 256 M parameters (1 GiB in float32; "
+    "16 M with `--quick`) in 100 leaves, with float32 and with bfloat16 "
+    "parameters (whose Adam state is float32). Guarded: `jmp_lite.optax."
+    "with_loss_scale`, which applies a step only if the gradients, the "
+    "updates, the new parameters and the new optimizer state are all finite. "
+    "Gradients only: the same transformation with the result checks switched "
+    "off (a private factory kept for this measurement), which checks only the "
+    "gradients, as loss scalers usually do. Reported: time per step, "
+    "interleaved, median. Target: guarded ≤ 1.15× gradients-only.")
+
+NUM_LEAVES = 100
+SCALE = 2.0 ** 15
+
+
+def run(ctx: harness.Context) -> SectionResult:
+  import jmp_lite
+  from jmp_lite import optax as jo
+
+  count = (16 if ctx.quick else 256) * 2**20
+  n = count // NUM_LEAVES
+  loss_scale = jmp_lite.StaticLossScale(SCALE)
+  table = Table(
+      f"One Adam step over {count / 2**20:.0f} M parameters in {NUM_LEAVES} leaves",
+      [Column("params", "parameters"), Column("path", "checks"),
+       Column("ms", "ms per step", "ms"),
+       Column("ratio", "vs gradients only", "ratio"),
+       Column("spread", "spread", "pct")])
+  result = SectionResult(tables=[table])
+  data = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    keys = jax.random.split(jax.random.PRNGKey(ctx.seed), NUM_LEAVES)
+    make = jax.jit(lambda k: (jax.random.normal(k, (n,), jnp.float32) * SCALE
+                              * 1e-4).astype(dtype))
+    grads = [harness.block(make(k)) for k in keys]
+    params = [harness.block(jnp.ones((n,), dtype)) for _ in range(NUM_LEAVES)]
+    txs = {
+        "gradients only": jo._with_loss_scale(
+            optax.adam(1e-3), loss_scale, clip_norm=None, accumulate_steps=1,
+            axis_name=None, check_results=False),
+        "guarded": jo.with_loss_scale(optax.adam(1e-3), loss_scale),
+    }
+    fns, states = {}, {}
+    for name, tx in txs.items():
+      def step(params, state, grads, tx=tx):
+        updates, state = tx.update(grads, state, params)
+        return jo.apply_updates(params, updates), state
+      jitted = jax.jit(step)
+      states[name] = tx.init(params)
+      fns[name] = (lambda jitted=jitted, name=name:
+                   jitted(params, states[name], grads))
+    # Both paths compute the same step.
+    a, b = fns["guarded"](), fns["gradients only"]()
+    same = all(bool(jnp.array_equal(x, y)) for x, y in zip(a[0], b[0]))
+    t = harness.measure(fns, ctx)
+    label = jnp.dtype(dtype).name
+    for name in ("gradients only", "guarded"):
+      table.add(params=label, path=name, ms=t[name].median,
+                ratio=t[name].median / t["gradients only"].median,
+                spread=t[name].spread)
+    ratio = t["guarded"].median / t["gradients only"].median
+    result.targets.append(Target(f"guarded step ≤ 1.15× gradients-only ({label} params)",
+                                 ratio, 1.15, "<="))
+    result.notes.append(f"{label}: guarded and gradients-only new params bitwise "
+                        f"equal: {same}")
+    data[label] = {"timings": t, "ratio": ratio, "bitwise_equal": same}
+    del grads, params, states, fns, a, b
+  result.data = data
+  return result
