@@ -177,6 +177,17 @@ def _check_written(updates: Any, params: Any, inner_state: Any):
   return jax.lax.cond(ok, lambda: (~ok, ~ok, ~ok), which)
 
 
+def _is_concrete(tree: Any, numbers: bool = True) -> bool:
+  """Whether every leaf is a concrete array (or a number), not a tracer.
+
+  Extra arguments that are Python values (numbers, functions) are handed to
+  the inner optimizer as they are, so they do not go through ``jax.jit``.
+  """
+  kinds = (jax.Array, np.ndarray, np.generic) + ((int, float, complex) if numbers else ())
+  return all(isinstance(x, kinds) and not isinstance(x, jax.core.Tracer)
+             for x in jax.tree.leaves(tree))
+
+
 def _contains_loss_scale_state(tree: Any) -> bool:
   return any(isinstance(x, LossScaleState) for x in jax.tree_util.tree_leaves(
       tree, is_leaf=lambda x: isinstance(x, LossScaleState)))
@@ -188,9 +199,10 @@ def _inside_multisteps() -> bool:
   MultiSteps resets its accumulator by multiplying it by zero, so one
   overflowing micro-batch leaves NaN in it for good; nothing inside the
   wrapped optimizer can undo that. MultiSteps has no hook at construction, so
-  the first moment to refuse it is its ``init``, one frame up.
+  the first moment to refuse it is its ``init``, which calls ours directly or
+  through a chain or two (hence a few frames up).
   """
-  frame = sys._getframe(2)  # init_fn <- this function's caller
+  frame = sys._getframe(2)  # skips this function and our init
   for _ in range(3):
     if frame is None:
       return False
@@ -402,6 +414,13 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
           f"with a different accumulate_steps (this one has {k}).")
     if params is not None:
       _check_grads_match_params(grads, params)
+    if _is_concrete((grads, state, params)) and _is_concrete(extra_args, numbers=False):
+      # Called eagerly: each lax.cond of a fresh trace would compile again
+      # (seconds per call); one jitted update compiles once per shape.
+      return jitted_update(grads, state, params, **extra_args)
+    return traced_update(grads, state, params, **extra_args)
+
+  def traced_update(grads, state, params=None, **extra_args):
     scale = state.loss_scale.loss_scale.astype(jnp.float32)
     if k == 1:
       return step(grads, state, params, extra_args, scale, jnp.array(True))
@@ -426,6 +445,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
 
     return jax.lax.cond(state.mini_step == k - 1, emit, wait)
 
+  jitted_update = jax.jit(traced_update)
   return optax.GradientTransformationExtraArgs(init, update)
 
 
