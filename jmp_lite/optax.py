@@ -9,7 +9,7 @@ decides, for the whole chain, whether a step happens::
     if finite:
       g32 = g / scale * min(1, clip_norm / norm)  # float32, second pass, fused
       updates, inner_state = inner.update(g32, state, float32 params)
-      finite = all finite: updates, params + updates, inner_state
+      finite = nothing finite became NaN/inf: updates, params + updates, state
     if not finite:
       updates = -0.0; inner_state unchanged
     loss_scale = loss_scale.adjust(gradients finite)
@@ -157,24 +157,37 @@ def _check_grads_match_params(grads: Any, params: Any) -> None:
           f"{np.shape(g)} but its parameter has shape {np.shape(p)}.")
 
 
-def _check_written(updates: Any, params: Any, inner_state: Any):
-  """Whether the updates, the new parameters and ``inner_state`` are not finite.
+def _check_written(updates: Any, params: Any, inner_state: Any, old_state: Any):
+  """Whether the updates, the new parameters and ``inner_state`` make a value non-finite.
 
-  One reduction over what the step writes in the common case: with params,
-  ``params + updates`` finite implies finite updates (params are finite, as
-  this transformation wrote them). The per-part flags are worked out only
-  when that reduction fails.
+  What is refused is a value that was finite becoming NaN or inf. Some
+  optimizers keep inf in their state on purpose (``reduce_on_plateau``'s best
+  value, lbfgs's previous value before the first step), and a parameter that
+  was already non-finite is not this step's doing. In the common case this is
+  one reduction over what the step writes: when all of it is finite there is
+  nothing to compare. Only otherwise are the new values compared with the old
+  ones, element by element.
   """
   new_params = None if params is None else _unscale.apply_updates(params, updates)
   ok = ls_lib.all_finite((updates if params is None else new_params, inner_state))
 
   def which():
-    return (~ls_lib.all_finite(updates),
-            ~ok if params is None else ~ls_lib.all_finite(new_params),
-            ~ls_lib.all_finite(inner_state))
+    if params is None:
+      u_bad, p_bad = ~ls_lib.all_finite(updates), ~ok & False
+    else:
+      u_bad = _newly_nonfinite(updates, params)
+      p_bad = _newly_nonfinite(new_params, params)
+    return u_bad, p_bad, _newly_nonfinite(inner_state, old_state)
 
   # ~ok (False) rather than constants, so both branches vary alike under shard_map.
   return jax.lax.cond(ok, lambda: (~ok, ~ok, ~ok), which)
+
+
+def _newly_nonfinite(new: Any, old: Any) -> jax.Array:
+  """Whether an element of ``new`` is NaN or inf where ``old`` is finite."""
+  bad = [jnp.any(~jnp.isfinite(n) & jnp.isfinite(o))
+         for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old)) if is_inexact(n)]
+  return jnp.any(jnp.stack(bad)) if bad else jnp.array(False)
 
 
 def _is_concrete(tree: Any, numbers: bool = True) -> bool:
@@ -231,10 +244,11 @@ def with_loss_scale(
   `with_state_dtype`). Updates for 16-bit parameters come out in float32 and
   are rounded once, when applied (``optax.apply_updates`` or `apply_updates`).
 
-  The step is applied only if everything it would write is finite: the
-  gradients, the updates, the new parameters (``params + updates`` in the
-  parameters' dtypes, when ``params`` is passed) and ``inner``'s new state.
-  Otherwise ``update`` returns ``-0.0`` updates, which leave every parameter
+  The step is applied only if the gradients are finite and it would make no
+  finite value non-finite: not in the updates, the new parameters (``params +
+  updates`` in the parameters' dtypes, when ``params`` is passed) nor
+  ``inner``'s new state (an inf an optimizer keeps on purpose, such as
+  ``reduce_on_plateau``'s initial best value, may stay). Otherwise ``update`` returns ``-0.0`` updates, which leave every parameter
   bitwise unchanged, keeps ``inner``'s state as it was, and records why in
   ``nonfinite``. The loss scale adjusts to whether the *gradients* were
   finite: a step skipped only because the optimizer's arithmetic overflowed
@@ -378,7 +392,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     false = jnp.array(False)
     bad = NonFinite(grads=~finite, updates=false, params=false, opt_state=false)
     if check_results:
-      u_bad, p_bad, s_bad = _check_written(updates, params, inner_state)
+      u_bad, p_bad, s_bad = _check_written(updates, params, inner_state,
+                                           state.inner_state)
       bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)
       applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
       if axis_name is not None:
