@@ -5,12 +5,9 @@ jmp 0.0.4), with loss scales that compile once, a one-pass `all_finite`, and
 integrations with Flax and optax in `jmp_lite.flax` and `jmp_lite.optax`.
 """
 
-from jmp_lite import distributed
-from jmp_lite import flax
-from jmp_lite import optax
-from jmp_lite import testing
-from jmp_lite.auditing import audit
-from jmp_lite.autocasting import autocast
+import importlib as _importlib
+from typing import Any as _Any
+
 from jmp_lite.loss_scale import all_finite
 from jmp_lite.loss_scale import DynamicLossScale
 from jmp_lite.loss_scale import LossScale
@@ -25,9 +22,33 @@ from jmp_lite.policy import half_dtype
 from jmp_lite.policy import parse_dtype
 from jmp_lite.policy import Policy
 from jmp_lite.policy import preferred_half_dtype
-from jmp_lite.training import StepInfo
-from jmp_lite.training import TrainState
-from jmp_lite.training import value_and_grad
+
+# Imported on first use, so that `import jmp_lite` costs a plain-JAX user
+# little more than `import jax`: the integrations pull in Flax (Linen and NNX)
+# and optax. Submodules, and names that live in them.
+_LAZY_MODULES = ("distributed", "flax", "optax", "testing")
+_LAZY_NAMES = {
+    "audit": "auditing",
+    "autocast": "autocasting",
+    "StepInfo": "training",
+    "TrainState": "training",
+    "value_and_grad": "training",
+}
+
+
+def __getattr__(name: str) -> _Any:
+  if name in _LAZY_MODULES:
+    return _importlib.import_module(f"jmp_lite.{name}")
+  if name in _LAZY_NAMES:
+    value = getattr(_importlib.import_module(f"jmp_lite.{_LAZY_NAMES[name]}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+  raise AttributeError(f"module 'jmp_lite' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY_MODULES) | set(_LAZY_NAMES))
+
 
 __version__ = "0.1.0"
 

@@ -118,3 +118,20 @@ def test_code_written_for_jmp_runs_unchanged():
   assert loss.dtype == jnp.float32 and float(loss) == 72.0 * 2 ** 15
   assert bool(finite) and int(loss_scale.counter) == 1
   assert policy.param_dtype == jnp.float32 and policy.compute_dtype == jnp.float16
+
+
+def test_import_does_not_pull_in_flax_or_optax():
+  """A plain-JAX user does not pay for Flax and optax: integrations load on first use."""
+  import subprocess
+  import sys
+  code = ("import sys, jmp_lite; "
+          "print(sorted(m for m in ('flax', 'optax') if m in sys.modules)); "
+          "jmp_lite.TrainState; "
+          "print(sorted(m for m in ('flax', 'optax') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=True)
+  assert out.stdout.split("\n")[:2] == ["[]", "['flax', 'optax']"], out.stdout
+
+
+def test_lazy_names_are_listed_by_dir():
+  assert {"flax", "optax", "TrainState", "audit", "autocast"} <= set(dir(jmp_lite))
