@@ -209,6 +209,32 @@ CASES = [
     ("with_loss_scale.update grad shape differs from param",
         _update_with({"w": jnp.ones(3), "b": jnp.ones(3)}),
         ValueError, ["['w']", "(3,)", "(2,)"]),
+    ("with_loss_scale accumulate_steps None",
+     lambda: jo.with_loss_scale(optax.sgd(0.1), ls(jnp.float32(2.0)), accumulate_steps=None),
+     TypeError, ["accumulate_steps", "None"]),
+    ("with_loss_scale inner not a transformation",
+     lambda: jo.with_loss_scale(optax.sgd, ls(jnp.float32(2.0))),
+     TypeError, ["inner", "function sgd"]),
+    ("with_loss_scale loss_scale a float",
+     lambda: jo.with_loss_scale(optax.sgd(0.1), 1024.0),
+     TypeError, ["loss_scale", "1024.0"]),
+    ("with_loss_scale.update with another optimizer's state",
+     lambda: jo.with_loss_scale(optax.sgd(0.1), jmp_lite.NoOpLossScale()).update(
+         {"w": jnp.ones(2)}, optax.sgd(0.1).init({"w": jnp.ones(2)})),
+     TypeError, ["LossScaleState", "tuple"]),
+    ("with_loss_scale.update with a state of another accumulate_steps",
+     lambda: jo.with_loss_scale(optax.sgd(0.1), jmp_lite.NoOpLossScale()).update(
+         {"w": jnp.ones(2)}, jo.with_loss_scale(
+             optax.sgd(0.1), jmp_lite.NoOpLossScale(), accumulate_steps=2).init(
+                 {"w": jnp.ones(2)})),
+     ValueError, ["accumulate_steps", "1"]),
+    ("with_loss_scale.update gradients transposed",
+     lambda: jo.with_loss_scale(optax.sgd(0.1), jmp_lite.NoOpLossScale()).update(
+         {"w": jnp.ones((3, 2))}, jo.with_loss_scale(optax.sgd(0.1), jmp_lite.NoOpLossScale())
+         .init({"w": jnp.ones((2, 3))}), {"w": jnp.ones((2, 3))}),
+     ValueError, ["['w']", "(3, 2)", "(2, 3)"]),
+    ("get_policy ambiguous float", lambda: jmp_lite.get_policy("p=float,c=bf16"),
+     ValueError, ["'float'", "float32"]),
     ("get_loss_scale without with_loss_scale",
      lambda: jo.get_loss_scale(optax.sgd(0.1).init({"w": jnp.ones(2)})),
      ValueError, ["found 0"]),
