@@ -171,16 +171,19 @@ def _check_written(updates: Any, params: Any, inner_state: Any, old_state: Any):
   new_params = None if params is None else _unscale.apply_updates(params, updates)
   ok = ls_lib.all_finite((updates if params is None else new_params, inner_state))
 
+  # `ok & ~ok` is False and varies over shard_map axes as `ok` does (every
+  # input of `ok`): both branches' flags then have the same type.
+  false = ok & ~ok
+
   def which():
     if params is None:
-      u_bad, p_bad = ~ls_lib.all_finite(updates), ~ok & False
+      u_bad, p_bad = ~ls_lib.all_finite(updates), false
     else:
       u_bad = _newly_nonfinite(updates, params)
       p_bad = _newly_nonfinite(new_params, params)
-    return u_bad, p_bad, _newly_nonfinite(inner_state, old_state)
+    return tuple(f | false for f in (u_bad, p_bad, _newly_nonfinite(inner_state, old_state)))
 
-  # ~ok (False) rather than constants, so both branches vary alike under shard_map.
-  return jax.lax.cond(ok, lambda: (~ok, ~ok, ~ok), which)
+  return jax.lax.cond(ok, lambda: (false, false, false), which)
 
 
 def _newly_nonfinite(new: Any, old: Any) -> jax.Array:
@@ -253,8 +256,10 @@ def with_loss_scale(
   ``nonfinite``. The loss scale adjusts to whether the *gradients* were
   finite: a step skipped only because the optimizer's arithmetic overflowed
   says nothing about the scale. Put it outermost: everything inside ``inner``
-  is frozen on a skipped step. Integer and boolean parameters are not shown
-  to ``inner`` and get zero updates.
+  is frozen on a skipped step. Integer and boolean parameters are shown to
+  ``inner`` as None (optax's empty subtree) and get zero updates; an
+  optimizer that rejects None leaves (``optax.contrib.galore``) then needs a
+  parameter tree without them.
 
   Args:
     inner: the optimizer to wrap (any optax transformation or chain).
