@@ -1,4 +1,5 @@
-"""Registration of frozen dataclasses as pytrees, for jmp_lite's state objects.
+"""Registration of frozen dataclasses as pytrees, for jmp_lite's state objects,
+and the conversion and checks of their constructor arguments.
 
 Why not `jax.tree_util.register_dataclass` or `flax.struct.dataclass`: both
 rebuild the object through ``__init__`` on every unflatten, so ``__post_init__``
@@ -13,9 +14,12 @@ object, and unflattens by setting fields directly. The field list comes from
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+import warnings
+from typing import Any, Optional, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 T = TypeVar("T")
 
@@ -64,3 +68,55 @@ def replace_fields(obj: T, **changes: Any) -> T:
   if changes:
     raise TypeError(f"{type(obj).__name__} has no fields {sorted(changes)}")
   return new
+
+
+# Converting and checking constructor arguments, once.
+
+
+def as_scalar(value: Any, dtype, name: str, *, warn_non_floating: bool = False):
+  """Converts a constructor argument to a scalar array of ``dtype``.
+
+  Returns the array and, when the value is known on the host, its value as a
+  Python number (None under tracing).
+  """
+  if value is None or isinstance(value, (str, bytes)) or not (
+      hasattr(value, "dtype") or isinstance(value, (int, float, np.number))):
+    raise TypeError(f"{name} must be a number or a scalar array, got {value!r}")
+  value_dtype = getattr(value, "dtype", None)
+  if value_dtype is None:
+    try:
+      value_dtype = jax.eval_shape(lambda: value).dtype
+    except OverflowError as e:  # A Python int beyond int32/int64.
+      raise ValueError(f"{name} is out of range: {value!r}") from e
+  if warn_non_floating and not jnp.issubdtype(value_dtype, jnp.floating):
+    warnings.warn(f"Expected floating type for {name}, got {value_dtype}")
+  shape = np.shape(value)
+  if shape != ():
+    raise ValueError(f"{name} must be a scalar, got shape {shape}: {value!r}")
+  if isinstance(value, jax.core.Tracer):
+    return value.astype(dtype), None
+  host = np.asarray(value)
+  if jnp.issubdtype(dtype, jnp.integer):
+    if not (np.isfinite(host) and float(host) == int(host)):
+      raise ValueError(f"{name} must be a whole number, got {value!r}")
+    info = np.iinfo(dtype)
+    if not info.min <= int(host) <= info.max:
+      raise ValueError(f"{name} must fit in {np.dtype(dtype).name}, got {value!r}")
+    return jnp.asarray(int(host), dtype), int(host)
+  # Check the value that is stored: 1e39 is finite in Python but not in float32.
+  with np.errstate(over="ignore", under="ignore"):
+    stored = host.astype(dtype)
+  if (np.isfinite(host) and not np.isfinite(stored)) or (host != 0 and stored == 0):
+    raise ValueError(
+        f"{name}={value!r} is not representable in {np.dtype(dtype).name} "
+        f"(it becomes {stored}).")
+  return jnp.asarray(stored, dtype), float(stored)
+
+
+def check_positive_finite(value: Optional[float], name: str, *, allow_zero=False):
+  if value is None:
+    return
+  ok = np.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+  if not ok:
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{name} must be finite and {bound}, got {value!r}")

@@ -134,11 +134,9 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   sq = jnp.sum(jnp.stack([jnp.sum(_abs2(g, dtype, inv)) for g in leaves]))
 
   def fast():
-    # sqrt(sq) = the unscaled norm directly; `finite` is True here (returned
-    # rather than a constant so that both branches vary alike under shard_map).
-    finite = jnp.isfinite(sq)
-    # 0, derived from `sq` so that it varies over shard_map axes as `slow`'s does.
-    return finite, jnp.sqrt(sq), jnp.isnan(sq).astype(jnp.int32)
+    # sqrt(sq) is the unscaled norm. True and 0 are derived from `sq` rather
+    # than constants so that they vary over shard_map axes as `slow`'s do.
+    return jnp.isfinite(sq), jnp.sqrt(sq), jnp.isnan(sq).astype(jnp.int32)
 
   def slow():
     finite = ls_lib.all_finite(leaves)

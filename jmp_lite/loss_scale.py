@@ -15,8 +15,7 @@ unflattening (inside ``jit``, after ``tree_map``) does not re-run the checks.
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from typing import Any, Optional, Sequence, TypeVar, Union
+from typing import Any, Sequence, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -75,55 +74,6 @@ def _multiply(tree: T, factor: jax.Array) -> T:
   return jax.tree_util.tree_map(mul, tree)
 
 
-def _as_scalar(value: Any, dtype, name: str, *, warn_non_floating: bool = False):
-  """Converts a constructor argument to a scalar array of ``dtype``.
-
-  Returns the array and, when the value is known on the host, its value as a
-  Python number (None under tracing).
-  """
-  if value is None or isinstance(value, (str, bytes)) or not (
-      hasattr(value, "dtype") or isinstance(value, (int, float, np.number))):
-    raise TypeError(f"{name} must be a number or a scalar array, got {value!r}")
-  value_dtype = getattr(value, "dtype", None)
-  if value_dtype is None:
-    try:
-      value_dtype = jax.eval_shape(lambda: value).dtype
-    except OverflowError as e:  # A Python int beyond int32/int64.
-      raise ValueError(f"{name} is out of range: {value!r}") from e
-  if warn_non_floating and not jnp.issubdtype(value_dtype, jnp.floating):
-    warnings.warn(f"Expected floating type for {name}, got {value_dtype}")
-  shape = np.shape(value)
-  if shape != ():
-    raise ValueError(f"{name} must be a scalar, got shape {shape}: {value!r}")
-  if isinstance(value, jax.core.Tracer):
-    return value.astype(dtype), None
-  host = np.asarray(value)
-  if jnp.issubdtype(dtype, jnp.integer):
-    if not (np.isfinite(host) and float(host) == int(host)):
-      raise ValueError(f"{name} must be a whole number, got {value!r}")
-    info = np.iinfo(dtype)
-    if not info.min <= int(host) <= info.max:
-      raise ValueError(f"{name} must fit in {np.dtype(dtype).name}, got {value!r}")
-    return jnp.asarray(int(host), dtype), int(host)
-  # Check the value that is stored: 1e39 is finite in Python but not in float32.
-  with np.errstate(over="ignore", under="ignore"):
-    stored = host.astype(dtype)
-  if (np.isfinite(host) and not np.isfinite(stored)) or (host != 0 and stored == 0):
-    raise ValueError(
-        f"{name}={value!r} is not representable in {np.dtype(dtype).name} "
-        f"(it becomes {stored}).")
-  return jnp.asarray(stored, dtype), float(stored)
-
-
-def _check_positive_finite(value: Optional[float], name: str, *, allow_zero=False):
-  if value is None:
-    return
-  ok = np.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-  if not ok:
-    bound = ">= 0" if allow_zero else "> 0"
-    raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
   """No-op loss scale does nothing.
@@ -171,8 +121,8 @@ class StaticLossScale:
   loss_scale: jax.Array
 
   def __post_init__(self):
-    scale, host = _as_scalar(self.loss_scale, jnp.float32, "loss_scale")
-    _check_positive_finite(host, "StaticLossScale.loss_scale")
+    scale, host = _struct.as_scalar(self.loss_scale, jnp.float32, "loss_scale")
+    _struct.check_positive_finite(host, "StaticLossScale.loss_scale")
     object.__setattr__(self, "loss_scale", scale)
 
   def scale(self, tree: T) -> T:
@@ -267,23 +217,23 @@ class DynamicLossScale:
 
   def __post_init__(self):
     name = "DynamicLossScale"
-    scale, s = _as_scalar(self.loss_scale, jnp.float32, "loss_scale",
+    scale, s = _struct.as_scalar(self.loss_scale, jnp.float32, "loss_scale",
                           warn_non_floating=True)
-    _check_positive_finite(s, f"{name}.loss_scale")
-    counter, c = _as_scalar(self.counter, jnp.int32, "counter")
+    _struct.check_positive_finite(s, f"{name}.loss_scale")
+    counter, c = _struct.as_scalar(self.counter, jnp.int32, "counter")
     if c is not None and c < 0:
       raise ValueError(f"{name}.counter must be >= 0, got {self.counter!r}")
-    period, p = _as_scalar(self.period, jnp.int32, "period")
+    period, p = _struct.as_scalar(self.period, jnp.int32, "period")
     if p is not None and p < 1:
       raise ValueError(f"{name}.period must be >= 1, got {self.period!r}")
-    factor, f = _as_scalar(self.factor, jnp.float32, "factor")
+    factor, f = _struct.as_scalar(self.factor, jnp.float32, "factor")
     if f is not None and not (np.isfinite(f) and f > 1):
       raise ValueError(f"{name}.factor must be finite and > 1, got {self.factor!r}")
-    min_scale, lo = _as_scalar(self.min_loss_scale, jnp.float32,
+    min_scale, lo = _struct.as_scalar(self.min_loss_scale, jnp.float32,
                                "min_loss_scale", warn_non_floating=True)
-    _check_positive_finite(lo, f"{name}.min_loss_scale", allow_zero=True)
-    max_scale, hi = _as_scalar(self.max_loss_scale, jnp.float32, "max_loss_scale")
-    _check_positive_finite(hi, f"{name}.max_loss_scale")
+    _struct.check_positive_finite(lo, f"{name}.min_loss_scale", allow_zero=True)
+    max_scale, hi = _struct.as_scalar(self.max_loss_scale, jnp.float32, "max_loss_scale")
+    _struct.check_positive_finite(hi, f"{name}.max_loss_scale")
     if lo is not None and hi is not None and lo > hi:
       raise ValueError(
           f"{name}: min_loss_scale={lo} is larger than max_loss_scale={hi}")
@@ -296,11 +246,11 @@ class DynamicLossScale:
       raise ValueError(
           f"{name}: loss_scale={self.loss_scale!r} is larger than "
           f"max_loss_scale={self.max_loss_scale!r}.")
-    hysteresis, h = _as_scalar(self.hysteresis, jnp.int32, "hysteresis")
+    hysteresis, h = _struct.as_scalar(self.hysteresis, jnp.int32, "hysteresis")
     if h is not None and h < 1:
       raise ValueError(f"{name}.hysteresis must be >= 1, got {self.hysteresis!r}")
     left = hysteresis if self.hysteresis_left is None else self.hysteresis_left
-    left, l = _as_scalar(left, jnp.int32, "hysteresis_left")
+    left, l = _struct.as_scalar(left, jnp.int32, "hysteresis_left")
     if l is not None and h is not None and not 1 <= l <= h:
       raise ValueError(
           f"{name}.hysteresis_left must be in [1, hysteresis={h}], got "

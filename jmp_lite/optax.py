@@ -42,7 +42,6 @@ with fresh zeros, and the loss scale stays fixed within an accumulation.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -50,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _checks
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._unscale import apply_updates
@@ -136,96 +136,9 @@ def _no_op_updates(update_fn) -> Any:
   return jax.tree.map(lambda s: jnp.full_like(s, -0.0), shapes)
 
 
-def _check_grads_match_params(grads: Any, params: Any) -> None:
-  """Raises ValueError naming the first gradient whose shape differs from its parameter's."""
-  g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
-  p_leaves, p_def = jax.tree_util.tree_flatten_with_path(params)
-  if g_def != p_def:
-    keystr = jax.tree_util.keystr
-    g_paths = {keystr(k) for k, _ in g_leaves}
-    p_paths = {keystr(k) for k, _ in p_leaves}
-    raise ValueError(
-        "with_loss_scale.update: the gradients and the parameters differ in "
-        f"structure: parameters without a gradient {sorted(p_paths - g_paths)}, "
-        f"gradients without a parameter {sorted(g_paths - p_paths)}.\n"
-        f"  grads:  {g_def}\n  params: {p_def}")
-  p_leaves = [p for _, p in p_leaves]
-  for (path, g), p in zip(g_leaves, p_leaves):
-    if np.shape(g) != np.shape(p):
-      raise ValueError(
-          f"with_loss_scale.update: gradient {jax.tree_util.keystr(path)} has shape "
-          f"{np.shape(g)} but its parameter has shape {np.shape(p)}.")
-
-
-def _check_written(updates: Any, params: Any, inner_state: Any, old_state: Any):
-  """Whether the updates, the new parameters and ``inner_state`` make a value non-finite.
-
-  What is refused is a value that was finite becoming NaN or inf. Some
-  optimizers keep inf in their state on purpose (``reduce_on_plateau``'s best
-  value, lbfgs's previous value before the first step), and a parameter that
-  was already non-finite is not this step's doing. In the common case this is
-  one reduction over what the step writes: when all of it is finite there is
-  nothing to compare. Only otherwise are the new values compared with the old
-  ones, element by element.
-  """
-  new_params = None if params is None else _unscale.apply_updates(params, updates)
-  ok = ls_lib.all_finite((updates if params is None else new_params, inner_state))
-
-  # `ok & ~ok` is False and varies over shard_map axes as `ok` does (every
-  # input of `ok`): both branches' flags then have the same type.
-  false = ok & ~ok
-
-  def which():
-    if params is None:
-      u_bad, p_bad = ~ls_lib.all_finite(updates), false
-    else:
-      u_bad = _newly_nonfinite(updates, params)
-      p_bad = _newly_nonfinite(new_params, params)
-    return tuple(f | false for f in (u_bad, p_bad, _newly_nonfinite(inner_state, old_state)))
-
-  return jax.lax.cond(ok, lambda: (false, false, false), which)
-
-
-def _newly_nonfinite(new: Any, old: Any) -> jax.Array:
-  """Whether an element of ``new`` is NaN or inf where ``old`` is finite."""
-  bad = [jnp.any(~jnp.isfinite(n) & jnp.isfinite(o))
-         for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old)) if is_inexact(n)]
-  return jnp.any(jnp.stack(bad)) if bad else jnp.array(False)
-
-
-def _is_concrete(tree: Any, numbers: bool = True) -> bool:
-  """Whether every leaf is a concrete array (or a number), not a tracer.
-
-  Extra arguments that are Python values (numbers, functions) are handed to
-  the inner optimizer as they are, so they do not go through ``jax.jit``.
-  """
-  kinds = (jax.Array, np.ndarray, np.generic) + ((int, float, complex) if numbers else ())
-  return all(isinstance(x, kinds) and not isinstance(x, jax.core.Tracer)
-             for x in jax.tree.leaves(tree))
-
-
 def _contains_loss_scale_state(tree: Any) -> bool:
   return any(isinstance(x, LossScaleState) for x in jax.tree_util.tree_leaves(
       tree, is_leaf=lambda x: isinstance(x, LossScaleState)))
-
-
-def _inside_multisteps() -> bool:
-  """Whether ``init`` was called by ``optax.MultiSteps.init``.
-
-  MultiSteps resets its accumulator by multiplying it by zero, so one
-  overflowing micro-batch leaves NaN in it for good; nothing inside the
-  wrapped optimizer can undo that. MultiSteps has no hook at construction, so
-  the first moment to refuse it is its ``init``, which calls ours directly or
-  through a chain or two (hence a few frames up).
-  """
-  frame = sys._getframe(2)  # skips this function and our init
-  for _ in range(3):
-    if frame is None:
-      return False
-    if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
-      return True
-    frame = frame.f_back
-  return False
 
 
 def with_loss_scale(
@@ -345,7 +258,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
   k = int(accumulate_steps)
 
   def init(params):
-    if _inside_multisteps():
+    if _checks.inside_multisteps():
       raise ValueError(
           "with_loss_scale inside optax.MultiSteps: MultiSteps keeps a NaN "
           "from one overflowing micro-batch in its accumulator for good. Use "
@@ -397,7 +310,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     false = jnp.array(False)
     bad = NonFinite(grads=~finite, updates=false, params=false, opt_state=false)
     if check_results:
-      u_bad, p_bad, s_bad = _check_written(updates, params, inner_state,
+      u_bad, p_bad, s_bad = _checks.written_nonfinite(updates, params, inner_state,
                                            state.inner_state)
       bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)
       applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
@@ -433,8 +346,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
           "with_loss_scale.update: this state was made by a with_loss_scale "
           f"with a different accumulate_steps (this one has {k}).")
     if params is not None:
-      _check_grads_match_params(grads, params)
-    if _is_concrete((grads, state, params)) and _is_concrete(extra_args, numbers=False):
+      _checks.grads_match_params(grads, params)
+    if _checks.is_concrete((grads, state, params)) and _checks.is_concrete(extra_args, numbers=False):
       # Called eagerly: each lax.cond of a fresh trace would compile again
       # (seconds per call); one jitted update compiles once per shape.
       return jitted_update(grads, state, params, **extra_args)
