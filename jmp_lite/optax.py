@@ -310,14 +310,14 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     false = jnp.array(False)
     bad = NonFinite(grads=~finite, updates=false, params=false, opt_state=false)
     if check_results:
-      u_bad, p_bad, s_bad = _checks.written_nonfinite(updates, params, inner_state,
-                                           state.inner_state)
+      u_bad, p_bad, s_bad = _checks.written_nonfinite(
+          updates, params, inner_state, state.inner_state)
       bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)
       applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
       if axis_name is not None:
         applied = jax.lax.psum((~applied).astype(jnp.int32), axis_name) == 0
-      # Fuses with the computation of the new values on XLA:CPU and GPU
-      # (bench/ guard section); a second cond would copy every buffer.
+      # One more pass over the state, what the guard costs (bench/, guard
+      # section); choosing with a second cond instead copies every buffer.
       updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)),
                              updates)
       inner_state = jax.tree.map(lambda n, o: jnp.where(applied, n, o),
@@ -347,7 +347,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
           f"with a different accumulate_steps (this one has {k}).")
     if params is not None:
       _checks.grads_match_params(grads, params)
-    if _checks.is_concrete((grads, state, params)) and _checks.is_concrete(extra_args, numbers=False):
+    if (_checks.is_concrete((grads, state, params))
+        and _checks.is_concrete(extra_args, numbers=False)):
       # Called eagerly: each lax.cond of a fresh trace would compile again
       # (seconds per call); one jitted update compiles once per shape.
       return jitted_update(grads, state, params, **extra_args)
