@@ -31,13 +31,17 @@ from jmp_lite.policy import wide_dtype
 
 
 def is_scaled(x: Any) -> bool:
-  """Whether a gradient leaf carries the loss scale (and is unscaled, clipped, normed)."""
-  return is_inexact(x) and not is_low_bit_float(jnp.real(jnp.zeros((), x.dtype)).dtype)
+  """Whether a gradient leaf carries the loss scale (and is unscaled, clipped, normed).
+
+  Complex dtypes are never low-bit (`is_low_bit_float` is False for them).
+  """
+  return is_inexact(x) and not is_low_bit_float(x.dtype)
 
 
 def real_wide_dtype(dtype) -> np.dtype:
   """float32 or float64: the real dtype that arithmetic on ``dtype`` happens in."""
-  return np.dtype(jnp.real(jnp.zeros((), wide_dtype(dtype))).dtype)
+  wide = wide_dtype(dtype)  # a NumPy dtype: float32/64 or complex64/128
+  return np.dtype(np.float64 if wide in (np.float64, np.complex128) else np.float32)
 
 
 def norm_dtype(tree: Any) -> np.dtype:
