@@ -19,6 +19,10 @@ collective ``psum``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
 convert    ``convert_element_type`` that changes a floating dtype
 ========== ==================================================================
 
+The engine's float32-accumulating matmuls (``jmp_dot_general``,
+``jmp_conv_general_dilated`` in a jaxpr) are reported under the name of the op
+they compute (``dot_general``), with float32 accumulation.
+
 Each row has the operand, accumulation and output dtypes, the user source line
 and the sub-jaxpr path, and the flags of likely mistakes it shows:
 
@@ -26,6 +30,10 @@ and the sub-jaxpr path, and the flags of likely mistakes it shows:
   over at least ``min_reduction_size`` (16) elements per output.
 * ``half_exp_log``: an exp/log-family op (softmax, log-softmax, logsumexp,
   normalisation's ``rsqrt``) producing 16-bit results.
+* ``half_matmul``: a matmul or convolution of 16-bit (or fp8) operands that
+  accumulates in their own dtype (``bf16 x bf16 -> bf16``): what the engine
+  behind `jmp_lite.flax.wrap` and `jmp_lite.autocast` rewrites, so a row with
+  this flag under either shows a gap.
 * ``f32_matmul``: a matmul or convolution with a 32/64-bit operand (so it runs
   at that width) while ``policy`` asks for 16-bit compute (its
   ``autocast_dtype``, else its ``compute_dtype``). Only with ``policy=``.
@@ -46,18 +54,21 @@ from typing import Any, Optional, Union
 import jax
 import jax.extend as jex
 import numpy as np
-from jax._src import source_info_util
+
+from jmp_lite import _accumulate
+from jmp_lite import _internals
 
 from jmp_lite.policy import Policy, dtype_name, get_policy, parse_dtype
 
 _core = jex.core
 
+HALF_MATMUL = "half_matmul"
 HALF_REDUCTION = "half_reduction"
 HALF_EXP_LOG = "half_exp_log"
 F32_MATMUL = "f32_matmul"
 HALF_ALL_REDUCE = "half_all_reduce"
 CONVERT_ROUND_TRIP = "convert_round_trip"
-FLAGS = (HALF_REDUCTION, HALF_EXP_LOG, F32_MATMUL, HALF_ALL_REDUCE,
+FLAGS = (HALF_MATMUL, HALF_REDUCTION, HALF_EXP_LOG, F32_MATMUL, HALF_ALL_REDUCE,
          CONVERT_ROUND_TRIP)
 
 MIN_REDUCTION_SIZE = 16
@@ -92,6 +103,7 @@ DTypeLike = Any
 
 
 def _category(name: str) -> Optional[str]:
+  name = _base_name(name)
   if name in _MATMUL:
     return "matmul"
   if name in _CONV:
@@ -107,12 +119,24 @@ def _category(name: str) -> Optional[str]:
   return None
 
 
+def _base_name(name: str) -> str:
+  """The op an engine primitive computes (``jmp_dot_general`` -> dot_general)."""
+  for prim, base in _accumulate.BASE.items():
+    if name == prim.name:
+      return base.name
+  return name
+
+
 def _is_float(dtype) -> bool:
   return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
 def _is_half(dtype) -> bool:
   return _is_float(dtype) and np.dtype(dtype).itemsize == 2
+
+
+def _is_narrow(dtype) -> bool:
+  return _is_float(dtype) and np.dtype(dtype).itemsize <= 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +245,28 @@ class AuditReport:
         and (flag is None or flag in r.flags)
         and (in_loop is None or r.in_loop == in_loop))
 
+  def assert_clean(self, *, allow: Iterable[str] = ()) -> None:
+    """Raises `AssertionError` listing the flagged rows, if any.
+
+    For users' own CI: ``audit(step, *args, policy=...).assert_clean()``.
+
+    Args:
+      allow: flags to ignore (names from `FLAGS`).
+    """
+    allow = tuple(allow)
+    unknown = [f for f in allow if f not in FLAGS]
+    if unknown:
+      raise ValueError(f"Unknown flags {unknown}; flags are {FLAGS}.")
+    bad = [r for r in self.rows if any(f not in allow for f in r.flags)]
+    if bad:
+      lines = [f"  {r.primitive} {r.signature} at {_short(r.source)}"
+               f"{' in ' + '/'.join(r.path) if r.path else ''}:"
+               f" {', '.join(f for f in r.flags if f not in allow)}"
+               for r in bad]
+      raise AssertionError(
+          f"precision audit: {len(bad)} of {len(self.rows)} ops flagged\n"
+          + "\n".join(lines))
+
   def count(self, **criteria) -> int:
     """The number of rows `select` returns for ``criteria``."""
     return len(self.select(**criteria))
@@ -260,7 +306,7 @@ def _short(source: str) -> str:
 
 
 def _source(eqn) -> Optional[str]:
-  frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+  frames = _internals.user_frames(eqn)
   # jmp_lite's own frames (autocast, policy casts) say less than the caller's.
   frame = next((f for f in frames
                 if not os.path.abspath(f.file_name).startswith(_PACKAGE_DIR)),
@@ -333,7 +379,7 @@ class _Auditor:
                   eqn_source)
 
   def add(self, eqn, category, path, in_loop, source, flags):
-    name = eqn.primitive.name
+    name = _base_name(eqn.primitive.name)
     ins = tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
     outs = tuple(np.dtype(v.aval.dtype) for v in eqn.outvars)
     accumulation = None
@@ -344,6 +390,9 @@ class _Auditor:
       accumulation = outs[0]
     size = _reduced_size(eqn) if category == "reduction" else None
     flags = list(flags)
+    if (category in ("matmul", "conv") and any(map(_is_narrow, ins))
+        and _is_narrow(accumulation)):
+      flags.append(HALF_MATMUL)
     if (name in _SUM_LIKE and _is_half(accumulation)
         and size >= self.min_reduction_size):
       flags.append(HALF_REDUCTION)

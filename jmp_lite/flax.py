@@ -77,9 +77,7 @@ import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
-from jmp_lite import _jaxpr
-from jmp_lite._dot import dot_general_cotangents
-from jmp_lite._dot import dot_general_f32
+from jmp_lite import _engine
 from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
 
@@ -192,130 +190,6 @@ def _is_narrow_float(dtype) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.floating)) and jnp.finfo(dtype).bits <= 16
 
 
-# Float32 accumulation: a jaxpr rewrite ---------------------------------------
-
-_ACCUMULATING = ("dot_general", "conv_general_dilated")
-_INLINED_CALLS = ("pjit", "jit", "closed_call", "core_call")
-
-
-def _accumulating_op(primitive, params, out_dtype):
-  """``primitive`` on two narrow floats, accumulating in float32.
-
-  The backward pass accumulates in float32 too (JAX's transpose of a dot with
-  ``preferred_element_type=float32`` would multiply a float32 cotangent by a
-  narrow operand): a dot's cotangents are each one dot already in the
-  operand's layout (`dot_general_cotangents`), a convolution's come from its
-  own transpose, itself rewritten.
-  """
-  f32_params = dict(params, preferred_element_type=np.dtype(np.float32))
-
-  @jax.custom_vjp
-  def op(lhs, rhs):
-    if primitive.name == "dot_general":
-      # Canonical layout: XLA's CPU runtime rejects some batched bf16 -> f32 dots.
-      out = dot_general_f32(lhs, rhs, params["dimension_numbers"],
-                            params.get("precision"))
-    else:
-      out = primitive.bind(lhs, rhs, **f32_params)
-    return out.astype(out_dtype)
-
-  def fwd(lhs, rhs):
-    return op(lhs, rhs), (lhs, rhs)
-
-  def bwd(res, ct):
-    lhs, rhs = res
-    if primitive.name == "dot_general":
-      d_lhs, d_rhs = dot_general_cotangents(
-          ct.astype(out_dtype), lhs, rhs, params["dimension_numbers"])
-      return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
-    # Each operand's cotangent is a transpose of a linear map; unlike
-    # `jax.vjp`, `jax.linear_transpose` leaves no dead forward op behind.
-    by_lhs = jax.linear_transpose(
-        lambda a: primitive.bind(a, rhs, **params), lhs)
-    by_rhs = jax.linear_transpose(
-        lambda b: primitive.bind(lhs, b, **params), rhs)
-    return _accumulate_in_f32(lambda c: (by_lhs(c)[0], by_rhs(c)[0]))(
-        ct.astype(out_dtype))
-
-  op.defvjp(fwd, bwd)
-  return op
-
-
-def _is_narrow_matmul(eqn) -> bool:
-  if eqn.primitive.name not in _ACCUMULATING or len(eqn.invars) != 2:
-    return False
-  lhs, rhs = (v.aval.dtype for v in eqn.invars)
-  return (lhs == rhs and _is_narrow_float(lhs)
-          and eqn.params.get("preferred_element_type") in (None, lhs))
-
-
-def _sub_jaxprs(eqn):
-  for value in eqn.params.values():
-    for sub in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(sub, jex.core.ClosedJaxpr):
-        yield sub.jaxpr
-      elif isinstance(sub, jex.core.Jaxpr):
-        yield sub
-
-
-def _inline(eqn) -> bool:
-  """Whether ``eqn`` is a call with a narrow matmul somewhere inside.
-
-  Calls without one are bound as they are, so eager dispatch keeps their
-  compiled form (inlining a PRNG kernel would dispatch it op by op).
-  """
-  def has_narrow_matmul(jaxpr):
-    return any(_is_narrow_matmul(e) or any(map(has_narrow_matmul, _sub_jaxprs(e)))
-               for e in jaxpr.eqns)
-  return (eqn.primitive.name in _INLINED_CALLS
-          and any(map(has_narrow_matmul, _sub_jaxprs(eqn))))
-
-
-def _eval_rewritten_eqn(eqn, invals):
-  if _is_narrow_matmul(eqn):
-    out_dtype = eqn.outvars[0].aval.dtype
-    return _accumulating_op(eqn.primitive, eqn.params, out_dtype)(*invals)
-  if _inline(eqn):
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(closed, jex.core.ClosedJaxpr):
-      return _eval_rewritten(closed.jaxpr, closed.consts, *invals)
-    return _eval_rewritten(closed, (), *invals)
-  return _jaxpr.bind(eqn, invals)
-
-
-def _eval_rewritten(jaxpr, consts, *args):
-  return _jaxpr.eval_jaxpr(jaxpr, consts, args, _eval_rewritten_eqn)
-
-
-def _accumulate_in_f32(fun: Callable[..., Any]) -> Callable[..., Any]:
-  """``fun`` with narrow-float dots and convolutions accumulating in float32.
-
-  Array leaves of the arguments are traced; other leaves (flags, collection
-  names) are closed over as Python values.
-  """
-
-  @functools.wraps(fun)
-  def rewritten(*args, **kwargs):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    traced = [i for i, x in enumerate(leaves)
-              if isinstance(x, (jax.Array, np.ndarray))]
-
-    def flat_fun(*dynamic):
-      full = list(leaves)
-      for i, x in zip(traced, dynamic):
-        full[i] = x
-      a, k = jax.tree_util.tree_unflatten(treedef, full)
-      return fun(*a, **k)
-
-    dynamic = [leaves[i] for i in traced]
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
-    out = _eval_rewritten(closed.jaxpr, closed.consts, *dynamic)
-    return jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(out_shape), out)
-
-  return rewritten
-
-
 # Linen -------------------------------------------------------------------------
 
 
@@ -405,15 +279,23 @@ class _LinenWrapper(nn.Module):
 
   @nn.nowrap
   def init_with_output(self, rngs, *args, **kwargs):
-    fun = super().init_with_output
-    return (_accumulate_in_f32(fun) if _needs_rewrite(self.rules) else fun)(
-        rngs, *args, **kwargs)
+    if not _needs_rewrite(self.rules):
+      return super().init_with_output(rngs, *args, **kwargs)
+    return _linen_init(self, rngs, *args, **kwargs)
 
   @nn.nowrap
   def apply(self, variables, *args, **kwargs):
-    fun = super().apply
-    return (_accumulate_in_f32(fun) if _needs_rewrite(self.rules) else fun)(
-        variables, *args, **kwargs)
+    if not _needs_rewrite(self.rules):
+      return super().apply(variables, *args, **kwargs)
+    return _linen_apply(self, variables, *args, **kwargs)
+
+
+# The engine's rewrite, cached per (wrapper, argument structure): the wrapper
+# is a static argument (Linen modules hash by value), so repeated eager calls
+# run one compiled step instead of tracing again.
+_linen_init = _engine.accumulate(
+    lambda m, *a, **k: nn.Module.init_with_output(m, *a, **k))
+_linen_apply = _engine.accumulate(lambda m, *a, **k: nn.Module.apply(m, *a, **k))
 
 
 def _needs_rewrite(rules: _Rules) -> bool:
@@ -462,31 +344,12 @@ class _NnxWrapper(nnx.Module):
         variable.set_value(owner.cast_to_param(variable.get_value()))
 
   def _policies(self, module) -> dict[tuple, Policy]:
-    return {tuple(path): self.rules.resolve(type(m), _path_str(path))
-            for path, m in nnx.iter_modules(module)}
+    return _policies(self.rules, module)
 
   def __call__(self, *args, **kwargs):
     graphdef, state = nnx.split(self.module)
-
-    def run(state, *args, **kwargs):
-      copy = nnx.merge(graphdef, state)
-      policies = self._policies(copy)
-      stack = []
-      for path, node in list(nnx.iter_graph(copy)):
-        if isinstance(node, nnx.Param):
-          policy = _owner(policies, path)
-          node.set_value(policy.cast_to_compute(node.get_value()))
-        elif isinstance(node, nnx.Module):
-          object.__setattr__(node, "_jmp_lite_policy", policies[tuple(path)])
-          object.__setattr__(node, "_jmp_lite_stack", stack)
-          if type(node).__call__ is not nnx.Module.__call__:
-            object.__setattr__(node, "__class__", _casting_class(type(node)))
-      out = copy(*args, **kwargs)
-      return out, nnx.state(copy, nnx.Not(nnx.Param))
-
-    if _needs_rewrite(self.rules):
-      run = _accumulate_in_f32(run)
-    out, updates = run(state, *args, **kwargs)
+    run = _nnx_run if _needs_rewrite(self.rules) else _nnx_run_as_written
+    out, updates = run(self.rules, graphdef, state, *args, **kwargs)
     # Write back only what the call changed (an eval-mode call under a plain
     # JAX transformation changes nothing, and may not mutate), in the stored
     # dtype: statistics are never downcast.
@@ -502,6 +365,33 @@ class _NnxWrapper(nnx.Module):
     if changed:
       nnx.update(self.module, nnx.from_flat_state(changed))
     return out
+
+
+def _policies(rules: _Rules, module) -> dict[tuple, Policy]:
+  return {tuple(path): rules.resolve(type(m), _path_str(path))
+          for path, m in nnx.iter_modules(module)}
+
+
+def _nnx_run_as_written(rules: _Rules, graphdef, state, *args, **kwargs):
+  """Runs a throw-away copy of the model with the policies applied."""
+  copy = nnx.merge(graphdef, state)
+  policies = _policies(rules, copy)
+  stack = []
+  for path, node in list(nnx.iter_graph(copy)):
+    if isinstance(node, nnx.Param):
+      policy = _owner(policies, path)
+      node.set_value(policy.cast_to_compute(node.get_value()))
+    elif isinstance(node, nnx.Module):
+      object.__setattr__(node, "_jmp_lite_policy", policies[tuple(path)])
+      object.__setattr__(node, "_jmp_lite_stack", stack)
+      if type(node).__call__ is not nnx.Module.__call__:
+        object.__setattr__(node, "__class__", _casting_class(type(node)))
+  out = copy(*args, **kwargs)
+  return out, nnx.state(copy, nnx.Not(nnx.Param))
+
+
+# Cached per (rules, graph structure, argument structure): see `_linen_apply`.
+_nnx_run = _engine.accumulate(_nnx_run_as_written)
 
 
 def _owner(policies: dict[tuple, Policy], path) -> Policy:

@@ -23,7 +23,8 @@ X = jax.ShapeDtypeStruct((B, D), jnp.float32)
 
 def bad_step(params, x):
   """A mixed-precision forward pass with one of each mistake."""
-  h = x.astype(jnp.bfloat16) @ params["w1"].astype(jnp.bfloat16)
+  # Mistake 0: a bf16 matmul accumulating in bf16.
+  h = x.astype(jnp.bfloat16) @ params["w1"].astype(jnp.bfloat16)  # PLANT:half_matmul
   # Mistake 1: a large sum accumulated in bf16.
   norm = lax.reduce_sum(h * h, axes=(1,))                      # PLANT:half_reduction
   # Mistake 2: softmax hand-written in bf16.
@@ -179,7 +180,7 @@ def test_str_is_a_readable_table():
   text = str(audit(bad_step, PARAMS, X, policy="p=f32,c=bf16,o=f32"))
   lines = text.splitlines()
   assert lines[0].startswith("precision audit (policy p=f32,c=bf16,o=f32):")
-  assert "4 flagged" in lines[0]
+  assert "5 flagged" in lines[0]
   assert lines[1].split() == ["#", "primitive", "operands", "acc", "out",
                               "where", "source", "flags"]
   assert any("dot_general" in l and "bf16,bf16" in l for l in lines)
@@ -195,5 +196,6 @@ def test_policy_accepts_strings_and_policies():
 
 
 def test_flag_names_are_exported():
-  assert audit_lib.FLAGS == ("half_reduction", "half_exp_log", "f32_matmul",
+  assert audit_lib.FLAGS == ("half_matmul", "half_reduction", "half_exp_log",
+                             "f32_matmul",
                              "half_all_reduce", "convert_round_trip")

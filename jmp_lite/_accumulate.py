@@ -1,0 +1,318 @@
+"""Narrow-float matmuls and convolutions that accumulate in float32, as primitives.
+
+``jmp_dot_general`` and ``jmp_conv_general_dilated`` compute what
+``convert_element_type(op(lhs, rhs, preferred_element_type=float32), out_dtype)``
+computes: 16-bit (or fp8) operands, a float32 accumulator, rounded once to
+``out_dtype`` (the operands' dtype, or float32 for a consumer that wants the
+accumulator). Their parameters are the wrapped op's own plus ``out_dtype``.
+
+Why primitives, not a ``custom_vjp``: a primitive keeps its precision through
+every transformation applied *outside* the rewrite. Its JVP and transpose are
+the same primitive on tangents and cotangents, so ``jax.grad``, ``jax.jvp``,
+``jax.hessian`` and ``jax.linear_transpose`` of a rewritten function all run
+half x half -> float32 products; ``vmap`` moves the batch into the product;
+``jit``, ``scan``, ``remat`` and ``shard_map`` stage it like any other op.
+
+Lowering is decided per platform when the computation is lowered, not when it
+is traced, so a step exported for several platforms is right on each:
+
+* CPU: operands go into the ``[batch, free, contract] x [batch, contract,
+  free]`` layout (XLA:CPU rejects some batched bf16 x bf16 -> f32 layouts at
+  run time, and its fast bf16 kernels need row-major operands: see
+  `_cpu_dot`).
+* other platforms (GPU, TPU): the op as written with
+  ``preferred_element_type=float32``; their matrix units accumulate in float32
+  natively and take any layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite import _internals
+
+F32 = np.dtype(np.float32)
+
+dot_p = _internals.Primitive("jmp_dot_general")
+conv_p = _internals.Primitive("jmp_conv_general_dilated")
+BASE = {dot_p: lax.dot_general_p, conv_p: lax.conv_general_dilated_p}
+BY_BASE = {base.name: p for p, base in BASE.items()}
+
+
+def is_narrow_float(dtype) -> bool:
+  dtype = np.dtype(dtype)
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize <= 2
+
+
+def bind(base_name: str, lhs, rhs, params, out_dtype):
+  """``base(lhs, rhs, **params)`` accumulating in float32, out in ``out_dtype``."""
+  prim = BY_BASE[base_name]
+  params = dict(params, preferred_element_type=F32)
+  lhs, rhs = _match_vma(lhs, rhs)
+  return prim.bind(lhs, rhs, out_dtype=np.dtype(out_dtype), **params)
+
+
+def _match_vma(lhs, rhs):
+  """Operands varying over the same manual axes (inside ``shard_map``)."""
+  lv = getattr(jax.typeof(lhs), "vma", frozenset())
+  rv = getattr(jax.typeof(rhs), "vma", frozenset())
+  if lv == rv:
+    return lhs, rhs
+  if rv - lv:
+    lhs = lax.pcast(lhs, tuple(sorted(rv - lv)), to="varying")
+  if lv - rv:
+    rhs = lax.pcast(rhs, tuple(sorted(lv - rv)), to="varying")
+  return lhs, rhs
+
+
+# --- Semantics ------------------------------------------------------------------
+
+
+def _abstract_eval(prim):
+  def rule(lhs, rhs, *, out_dtype, **params):
+    out, effects = _internals.abstract_eval(BASE[prim], lhs, rhs, **params)
+    return out.update(dtype=np.dtype(out_dtype), weak_type=False), effects
+  return rule
+
+
+def _reference(prim, lhs, rhs, *, out_dtype, **params):
+  """What ``prim`` computes, as written: the lowering on other platforms."""
+  return lax.convert_element_type(BASE[prim].bind(lhs, rhs, **params),
+                                  out_dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(prim, items):
+  params = dict(items)
+  return jax.jit(lambda lhs, rhs: prim.bind(lhs, rhs, **params))
+
+
+def _impl(prim):
+  def impl(lhs, rhs, **params):
+    # Eager calls compile the op through its per-platform lowering.
+    return _compiled(prim, tuple(sorted(params.items())))(lhs, rhs)
+  return impl
+
+
+for _p in BASE:
+  _p.def_effectful_abstract_eval(_abstract_eval(_p))
+  _p.def_impl(_impl(_p))
+  _internals.define_lowering(_p, functools.partial(_reference, _p))
+
+
+# --- CPU lowering of dots --------------------------------------------------------
+
+
+def canonicalize(lhs, rhs, dimension_numbers):
+  """Returns ``(lhs, rhs, dimension_numbers)`` in XLA:CPU's native layouts.
+
+  ``lhs`` becomes ``[batch, free, contract]``; ``rhs`` stays as it is if it is
+  already ``[batch, contract, free]`` or ``[batch, free, contract]`` (``x @ w``
+  and ``g @ w.T``), and becomes ``[batch, contract, free]`` otherwise. The
+  result is the same array: ``dot_general`` orders its output batch, lhs free,
+  rhs free whatever the operand layouts.
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = [d for d in range(np.ndim(lhs)) if d not in lc and d not in lb]
+  rf = [d for d in range(np.ndim(rhs)) if d not in rc and d not in rb]
+  nb, nf, nc, nrf = len(lb), len(lf), len(lc), len(rf)
+  l_perm = (*lb, *lf, *lc)
+  r_nn, r_nt = (*rb, *rc, *rf), (*rb, *rf, *rc)
+  identity = tuple(range(np.ndim(rhs)))
+  if r_nt == identity and r_nn != identity:
+    r_perm, r_contract = r_nt, tuple(range(nb + nrf, nb + nrf + nc))
+  else:
+    r_perm, r_contract = r_nn, tuple(range(nb, nb + nc))
+  dims = ((tuple(range(nb + nf, nb + nf + nc)), r_contract),
+          (tuple(range(nb)), tuple(range(nb))))
+  if dims == ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))):
+    return lhs, rhs, dimension_numbers
+  if l_perm != tuple(range(len(l_perm))):
+    lhs = _materialize(lax.transpose(lhs, l_perm))
+  if r_perm != identity:
+    rhs = _materialize(lax.transpose(rhs, r_perm))
+  return lhs, rhs, dims
+
+
+def _materialize(x):
+  """``x`` copied into row-major order.
+
+  XLA folds a transpose into the dot's operand layout, and XLA:CPU runs a
+  bf16 dot whose operand is not row-major (a weight gradient ``x.T @ g``) as
+  a float32 dot: the fast kernels only take row-major operands. Flattening
+  behind an optimization barrier forces the copy, which costs one pass over
+  the operand and buys the bf16 kernel. A sharded operand is left to XLA's
+  partitioner (flattening it would need an output sharding).
+  """
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec and any(s is not None for s in spec):
+    return x
+  return lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
+
+
+def _cpu_dot(lhs, rhs, *, out_dtype, dimension_numbers, precision,
+             preferred_element_type, out_sharding):
+  lhs, rhs, dims = canonicalize(lhs, rhs, dimension_numbers)
+  out = lax.dot_general(lhs, rhs, dims, precision=precision,
+                        preferred_element_type=preferred_element_type,
+                        out_sharding=out_sharding)
+  return lax.convert_element_type(out, out_dtype)
+
+
+_internals.define_lowering(dot_p, _cpu_dot, platform="cpu")
+
+
+# --- Dots: transposes and batching ---------------------------------------------------
+
+
+def _free(ndim, contract, batch):
+  return [d for d in range(ndim) if d not in contract and d not in batch]
+
+
+def _dot_lhs_cotangent(ct, x, y, *, out_dtype, dimension_numbers, precision,
+                       preferred_element_type, out_sharding):
+  """``ct . rhs`` over rhs's free dims, one dot already in lhs's layout."""
+  del out_dtype, preferred_element_type, out_sharding
+  x_aval = x.aval
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = _free(x_aval.ndim, lc, lb)
+  rf = _free(np.ndim(y), rc, rb)
+  nb, nlf = len(lb), len(lf)
+  ct_b, ct_rf = tuple(range(nb)), tuple(range(nb + nlf, np.ndim(ct)))
+  sorted_rc = sorted(rc)
+  where = {d: i for i, d in enumerate(lb)}
+  where.update({d: nb + k for k, d in enumerate(lf)})
+  where.update({d_l: nb + nlf + sorted_rc.index(d_r) for d_l, d_r in zip(lc, rc)})
+  ct = lax.convert_element_type(ct, y.dtype)
+  out = bind("dot_general", ct, y, dict(
+      dimension_numbers=((ct_rf, tuple(rf)), (ct_b, tuple(rb))),
+      precision=precision, out_sharding=_sharding_at(x_aval, where)),
+             x_aval.dtype)
+  perm = tuple(where[d] for d in range(x_aval.ndim))
+  return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
+
+
+def _dot_rhs_cotangent(ct, x, y, *, out_dtype, dimension_numbers, precision,
+                       preferred_element_type, out_sharding):
+  """``lhs . ct`` over lhs's free dims (``x.T @ g``): the weight gradient."""
+  del out_dtype, preferred_element_type, out_sharding
+  y_aval = y.aval
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf = _free(np.ndim(x), lc, lb)
+  rf = _free(y_aval.ndim, rc, rb)
+  nb, nlf = len(lb), len(lf)
+  ct_b, ct_lf = tuple(range(nb)), tuple(range(nb, nb + nlf))
+  sorted_lc = sorted(lc)
+  where = {d: i for i, d in enumerate(rb)}
+  where.update({d_r: nb + sorted_lc.index(d_l) for d_l, d_r in zip(lc, rc)})
+  where.update({d: nb + len(lc) + k for k, d in enumerate(rf)})
+  ct = lax.convert_element_type(ct, x.dtype)
+  out = bind("dot_general", x, ct, dict(
+      dimension_numbers=((tuple(lf), ct_lf), (tuple(lb), ct_b)),
+      precision=precision, out_sharding=_sharding_at(y_aval, where)),
+             y_aval.dtype)
+  perm = tuple(where[d] for d in range(y_aval.ndim))
+  return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
+
+
+def _sharding_at(aval, where):
+  """The sharding of a cotangent as its dot produces it, or None.
+
+  Under explicit mesh axes a dot that contracts a sharded dimension (a weight
+  gradient contracts the sharded batch) must be told its output's sharding:
+  the operand's own, with dimension ``d`` at position ``where[d]``.
+  """
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  mesh = getattr(sharding, "mesh", None)
+  if spec is None or mesh is None or getattr(mesh, "empty", True):
+    return None
+  if not any(s is not None for s in spec):
+    return None
+  spec = tuple(spec) + (None,) * (aval.ndim - len(spec))
+  out = [None] * aval.ndim
+  for d, pos in where.items():
+    out[pos] = spec[d]
+  return sharding.update(spec=jax.sharding.PartitionSpec(*out))
+
+
+def _dot_batch(args, dims, *, dimension_numbers, out_sharding, **params):
+  """Moves each batch dimension into the product: nothing is broadcast."""
+  (lhs, rhs), (ld, rd) = args, dims
+  (lc, rc), (lb, rb) = dimension_numbers
+  up = lambda ds: tuple(d + 1 for d in ds)
+  if ld is not None:
+    lhs = jnp.moveaxis(lhs, ld, 0)
+  if rd is not None:
+    rhs = jnp.moveaxis(rhs, rd, 0)
+  if ld is not None and rd is not None:
+    new = ((up(lc), up(rc)), ((0, *up(lb)), (0, *up(rb))))
+    out_dim = 0
+  elif ld is not None:
+    new = ((up(lc), rc), (up(lb), rb))
+    out_dim = len(lb)
+  else:
+    new = ((lc, up(rc)), (lb, up(rb)))
+    out_dim = len(lb) + np.ndim(lhs) - len(lc) - len(lb)
+  if out_sharding is not None:
+    spec = list(out_sharding.spec)
+    spec.insert(out_dim, None)
+    out_sharding = out_sharding.update(spec=jax.sharding.PartitionSpec(*spec))
+  lhs, rhs = _match_vma(lhs, rhs)
+  out = dot_p.bind(lhs, rhs, dimension_numbers=new, out_sharding=out_sharding,
+                   **params)
+  return out, out_dim
+
+
+_internals.define_bilinear(dot_p, _dot_lhs_cotangent, _dot_rhs_cotangent)
+_internals.define_batching(dot_p, _dot_batch)
+
+
+# --- Convolutions: JAX's own rules, rewritten ---------------------------------------
+# A convolution's transposes and batching rule are themselves convolutions
+# (flipped kernels, dilations, feature groups): JAX's rules for the narrow
+# convolution, traced and rewritten, accumulate in float32 like the original.
+
+
+def _narrow(params):
+  return dict(params, preferred_element_type=None)
+
+
+def _conv_transpose(side):
+  def rule(ct, x, y, *, out_dtype, **params):
+    del out_dtype
+    base = _internals.base_transpose(lax.conv_general_dilated_p)
+    undefined = x if side == 0 else y
+    dtype = undefined.aval.dtype
+    ct = lax.convert_element_type(ct, dtype)
+
+    def narrow(ct, known):
+      operands = (undefined, known) if side == 0 else (known, undefined)
+      return base(ct, *operands, **_narrow(params))[side]
+
+    return _rewritten(narrow, ct, y if side == 0 else x)
+  return rule
+
+
+def _conv_batch(args, dims, *, out_dtype, **params):
+  def narrow(lhs, rhs):
+    return jax.vmap(
+        lambda a, b: lax.conv_general_dilated_p.bind(a, b, **_narrow(params)),
+        in_axes=dims)(lhs, rhs)
+  out = _rewritten(narrow, *args)
+  return lax.convert_element_type(out, out_dtype), 0
+
+
+def _rewritten(fun, *args):
+  from jmp_lite import _engine  # pylint: disable=g-import-not-at-top
+  return _engine.accumulate(fun)(*args)
+
+
+_internals.define_bilinear(conv_p, _conv_transpose(0), _conv_transpose(1))
+_internals.define_batching(conv_p, _conv_batch)

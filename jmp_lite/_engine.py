@@ -1,0 +1,250 @@
+"""The precision engine: float32 accumulation for every narrow matmul of a function.
+
+`accumulate` traces a function once, rewrites its jaxpr and evaluates the
+result. The rewrite swaps each ``dot_general`` and ``conv_general_dilated``
+whose two operands share a 16-bit (or fp8) dtype and that does not already
+accumulate wider for the float32-accumulating primitive of `_accumulate`,
+with the same output type. Because no type changes, the rewrite reaches every
+place an equation can sit without knowing what the enclosing primitive does:
+
+* any jaxpr in any primitive's params (``jit``, ``scan``, ``while``, ``cond``,
+  ``remat``, ``shard_map``, ``custom_jvp_call``, ``custom_vjp_call``, Flax's
+  lifted transforms, which lower to these) is rewritten in place;
+* the functions JAX keeps instead of jaxprs are wrapped: a custom JVP rule's
+  jaxpr thunk, a custom VJP's forward thunk and its backward function.
+
+What the engine cannot see into is reported (`UncoveredMatmulWarning`, or an
+error with ``strict=True``): primitives JAX does not define (a user's own, or
+an FFI call) with narrow floating operands, and kernels (``pallas_call``)
+whose matmuls accumulate narrow.
+
+Transformations applied outside (``grad``, ``jvp``, ``vmap``, ``hessian``)
+compose: they transform the primitive, whose rules keep float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.extend as jex
+import numpy as np
+
+from jmp_lite import _accumulate
+from jmp_lite import _internals
+
+
+class UncoveredMatmulWarning(UserWarning):
+  """A computation the engine cannot see into may multiply narrow floats."""
+
+
+class UncoveredMatmulError(ValueError):
+  """Raised instead of `UncoveredMatmulWarning` with ``strict=True``."""
+
+
+# Primitives whose bodies must run as written: kernels are lowered by their own
+# compilers, which do not know the engine's primitives.
+_KERNELS = frozenset({"pallas_call", "core_map", "mosaic_gpu_call",
+                      "triton_kernel_call"})
+# JAX primitives that run code JAX cannot see.
+_OPAQUE = frozenset({"ffi_call", "custom_call", "custom_partitioning"})
+
+
+def is_narrow_matmul(eqn) -> bool:
+  """Whether ``eqn`` is a half x half product that does not accumulate wider."""
+  if eqn.primitive.name not in _accumulate.BY_BASE or len(eqn.invars) != 2:
+    return False
+  lhs, rhs = (np.dtype(v.aval.dtype) for v in eqn.invars)
+  pref = eqn.params.get("preferred_element_type")
+  return (lhs == rhs and _accumulate.is_narrow_float(lhs)
+          and (pref is None or np.dtype(pref) == lhs))
+
+
+def _source(eqn) -> str:
+  frames = _internals.user_frames(eqn)
+  if not frames:
+    return "unknown source"
+  f = frames[0]
+  return f"{f.file_name}:{f.start_line} ({f.function_name})"
+
+
+class _Rewriter:
+  """One rewrite: a memo of rewritten jaxprs and how to report gaps."""
+
+  def __init__(self, strict: bool):
+    self.strict = strict
+    self.memo: dict[int, Any] = {}
+    self.known = None
+
+  def report(self, eqn, why: str):
+    msg = (f"jmp_lite cannot make {eqn.primitive.name!r} at {_source(eqn)}"
+           f" accumulate in float32: {why}")
+    if self.strict:
+      raise UncoveredMatmulError(msg)
+    warnings.warn(msg, UncoveredMatmulWarning, stacklevel=4)
+
+  def jaxpr(self, jaxpr):
+    key = id(jaxpr)
+    if key not in self.memo:
+      eqns = [self.eqn(e) for e in jaxpr.eqns]
+      changed = any(a is not b for a, b in zip(eqns, jaxpr.eqns))
+      self.memo[key] = (jaxpr, _internals.replace_eqns(jaxpr, eqns)
+                        if changed else jaxpr)
+    return self.memo[key][1]
+
+  def closed(self, closed):
+    new = self.jaxpr(closed.jaxpr)
+    return closed if new is closed.jaxpr else _internals.closed(
+        new, closed.consts)
+
+  def eqn(self, eqn):
+    name = eqn.primitive.name
+    if is_narrow_matmul(eqn):
+      out = np.dtype(eqn.outvars[0].aval.dtype)
+      params = dict(eqn.params, preferred_element_type=_accumulate.F32,
+                    out_dtype=out)
+      return _internals.replace_eqn(eqn, _accumulate.BY_BASE[name], params)
+    if name in _KERNELS:
+      self.check_kernel(eqn)
+      return eqn
+    if name in _OPAQUE or not self.is_known(eqn.primitive):
+      if any(_accumulate.is_narrow_float(v.aval.dtype)
+             for v in eqn.invars if hasattr(v.aval, "dtype")):
+        self.report(eqn, "it is opaque to JAX (its lowering is its own) and"
+                    " takes narrow floating operands.")
+      return eqn
+    params = {k: self.param(eqn, k, v) for k, v in eqn.params.items()}
+    if all(params[k] is eqn.params[k] for k in params):
+      return eqn
+    return _internals.replace_eqn(eqn, eqn.primitive, params)
+
+  def is_known(self, prim) -> bool:
+    if prim in _accumulate.BASE:
+      return True
+    if self.known is None or prim.name not in self.known:
+      self.known = _internals.all_primitives()
+    return self.known.get(prim.name) is prim
+
+  def param(self, eqn, key, value):
+    if isinstance(value, jex.core.ClosedJaxpr):
+      return self.closed(value)
+    if isinstance(value, jex.core.Jaxpr):
+      return self.jaxpr(value)
+    if isinstance(value, (tuple, list)) and any(
+        isinstance(v, (jex.core.ClosedJaxpr, jex.core.Jaxpr)) for v in value):
+      new = [self.param(eqn, key, v) for v in value]
+      return value if all(a is b for a, b in zip(new, value)) else type(value)(new)
+    where = (eqn.primitive.name, key)
+    if where == _internals.JVP_THUNK:
+      return self.thunk(value, lambda jaxpr, consts, zeros: (
+          self.jaxpr(jaxpr), consts, zeros))
+    if where == _internals.FWD_THUNK:
+      return self.thunk(value, lambda jaxpr, consts: (self.jaxpr(jaxpr), consts))
+    if where == _internals.BWD_FUN:
+      strict = self.strict
+      return _internals.wrap_fun(
+          lambda *args: accumulate(value.call_wrapped, strict=strict,
+                                   cache=False)(*args), value)
+    return value
+
+  def thunk(self, thunk, rewrite_result):
+    return _internals.wrap_fun(
+        lambda *args: rewrite_result(*thunk.call_wrapped(*args)), thunk)
+
+  def check_kernel(self, eqn):
+    """Reports a kernel whose own matmuls accumulate narrow."""
+    def narrow(jaxpr):
+      for e in jaxpr.eqns:
+        if is_narrow_matmul(e):
+          return True
+        for v in e.params.values():
+          for sub in v if isinstance(v, (tuple, list)) else (v,):
+            sub = getattr(sub, "jaxpr", sub)
+            if isinstance(sub, jex.core.Jaxpr) and narrow(sub):
+              return True
+      return False
+    for value in eqn.params.values():
+      sub = getattr(value, "jaxpr", value)
+      if isinstance(sub, jex.core.Jaxpr) and narrow(sub):
+        self.report(eqn, "it is a kernel with a narrow matmul, which its own"
+                    " compiler lowers.")
+        return
+
+
+def _freeze(x):
+  """A hashable stand-in for a static argument (Linen's ``mutable=[...]``)."""
+  if isinstance(x, (list, tuple)):
+    return (type(x).__name__, tuple(map(_freeze, x)))
+  if isinstance(x, dict):
+    return ("dict", tuple((k, _freeze(v)) for k, v in x.items()))
+  return x
+
+
+def rewrite(closed, *, strict: bool = False):
+  """``closed`` (a `ClosedJaxpr`) with every narrow matmul accumulating in f32."""
+  return _Rewriter(strict).closed(closed)
+
+
+def accumulate(fun: Callable[..., Any], *, strict: bool = False,
+               cache: bool = True) -> Callable[..., Any]:
+  """``fun`` with every narrow matmul accumulating in float32, everywhere.
+
+  Array leaves of the arguments are traced; other leaves (flags, names) are
+  passed as Python values, and so are non-array outputs (symbolic zeros).
+  Called outside any transformation, the rewritten function runs compiled and
+  is cached per argument structure and static values, so repeated eager
+  calls do not trace again.
+  """
+  jitted: dict[Any, Callable[..., Any]] = {}
+
+  def run(dynamic, leaves, traced, treedef):
+    def flat_fun(*dynamic):
+      full = list(leaves)
+      for i, x in zip(traced, dynamic):
+        full[i] = x
+      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      return fun(*a, **k)
+
+    static_out = {}
+
+    def split_out(*dynamic):
+      out_leaves, out_tree = jax.tree_util.tree_flatten(flat_fun(*dynamic))
+      arrays = []
+      for i, x in enumerate(out_leaves):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+          arrays.append(x)
+        else:
+          static_out[i] = x
+      static_out["tree"] = (out_tree, len(out_leaves))
+      return arrays
+
+    closed = jax.make_jaxpr(split_out)(*dynamic)
+    arrays = iter(jex.core.jaxpr_as_fun(rewrite(closed, strict=strict))(
+        *dynamic))
+    out_tree, n = static_out.pop("tree")
+    out = [static_out[i] if i in static_out else next(arrays) for i in range(n)]
+    return jax.tree_util.tree_unflatten(out_tree, out)
+
+  @functools.wraps(fun)
+  def rewritten(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    traced = tuple(i for i, x in enumerate(leaves)
+                   if isinstance(x, (jax.Array, np.ndarray)))
+    dynamic = [leaves[i] for i in traced]
+    if not cache or any(isinstance(x, jax.core.Tracer) for x in dynamic):
+      return run(dynamic, leaves, traced, treedef)
+    static = tuple(None if i in traced else _freeze(x)
+                   for i, x in enumerate(leaves))
+    try:
+      key = (treedef, static)
+      hash(key)
+    except TypeError:  # unhashable static arguments: trace every call.
+      return run(dynamic, leaves, traced, treedef)
+    if key not in jitted:
+      jitted[key] = jax.jit(functools.partial(
+          lambda *d, leaves=leaves: run(list(d), leaves, traced, treedef)))
+    return jitted[key](*dynamic)
+
+  return rewritten

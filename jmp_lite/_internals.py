@@ -1,0 +1,256 @@
+"""Every use of JAX internals in jmp_lite, each with what it relies on.
+
+The rest of the library uses JAX's public API only. What lives here is what a
+precision rewrite cannot do without: defining primitives (their JVP, transpose,
+batching and lowering rules), editing jaxpr equations in place, the parameter
+names of higher-order primitives, and the user frames of a source location.
+`tests/test_internals.py` checks each item against the installed JAX, and fails
+when JAX has a higher-order primitive this module does not know.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.extend as jex
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
+
+core = jex.core
+Primitive = jex.core.Primitive
+
+# --- Defining primitives ------------------------------------------------------
+# The protocol of "Writing custom JAX primitives" (JAX docs): rule tables in
+# `jax.interpreters.{ad,batching,mlir}`, which JAX re-exports for this purpose.
+
+
+def abstract_eval(prim, *avals, **params):
+  """``prim``'s output aval and effects at ``avals``.
+
+  Relies on `Primitive.abstract_eval` returning ``(aval, effects)`` for
+  single-result primitives (the rule `def_abstract_eval` installs does).
+  """
+  return prim.abstract_eval(*avals, **params)
+
+
+def define_bilinear(prim, lhs_transpose, rhs_transpose) -> None:
+  """JVP ``prim(dx, y) + prim(x, dy)``; transposes ``rule(ct, x, y, **params)``.
+
+  Relies on `jax.interpreters.ad.defbilinear`; the rules read only ``x.aval``
+  (``x`` is an undefined primal or a gradient accumulator).
+  """
+  ad.defbilinear(prim, lhs_transpose, rhs_transpose)
+
+
+def define_batching(prim, rule) -> None:
+  """``rule(args, dims, **params) -> (out, out_dim)`` (dims: int or None).
+
+  Relies on the `jax.interpreters.batching.primitive_batchers` table, whose
+  rules see unbatched dimensions as None.
+  """
+  batching.primitive_batchers[prim] = rule
+
+
+def define_lowering(prim, fun: Callable[..., Any], platform=None) -> None:
+  """Lowers ``prim`` by tracing ``fun(*args, **params)`` (for ``platform``).
+
+  Relies on `jax.interpreters.mlir.lower_fun` and `register_lowering`: a rule
+  for one platform wins over the default one, and a computation lowered for
+  several platforms gets a per-platform switch (as `lax.platform_dependent`).
+  """
+  mlir.register_lowering(prim, mlir.lower_fun(fun, multiple_results=False),
+                         platform=platform)
+
+
+def base_transpose(prim):
+  """JAX's transpose rule of ``prim``: ``rule(ct, x, y, **params)``.
+
+  Relies on `jax.interpreters.ad.primitive_transposes`; an operand that is a
+  gradient accumulator (``jax.grad``'s newer path) is passed to it as an
+  `UndefinedPrimal` of the same aval, which the rule reads ``.aval`` from.
+  """
+  rule = ad.primitive_transposes[prim]
+
+  def transpose(ct, x, y, **params):
+    x = ad.UndefinedPrimal(x.aval) if hasattr(x, "aval") and not isinstance(
+        x, jax.Array) and not ad.is_undefined_primal(x) else x
+    y = ad.UndefinedPrimal(y.aval) if hasattr(y, "aval") and not isinstance(
+        y, jax.Array) and not ad.is_undefined_primal(y) else y
+    return rule(ct, x, y, **params)
+  return transpose
+
+
+# --- Editing jaxprs -----------------------------------------------------------
+# `JaxprEqn.replace` and `Jaxpr.replace` (dataclass-style copies): a rewrite that
+# keeps every input and output type swaps equations without re-tracing.
+
+
+def replace_eqn(eqn, primitive, params):
+  return eqn.replace(primitive=primitive, params=params)
+
+
+def replace_eqns(jaxpr, eqns):
+  return jaxpr.replace(eqns=eqns)
+
+
+def closed(jaxpr, consts):
+  return core.ClosedJaxpr(jaxpr, consts)
+
+
+def eqn_context(eqn):
+  """A context that re-creates ``eqn``'s source line, name stack and context.
+
+  Relies on `JaxprEqn.source_info` (traceback, name_stack) and `JaxprEqn.ctx`
+  (its ``manager`` re-enters the equation's compute context).
+  """
+  info = jex.source_info_util
+  name_stack = info.current_name_stack() + eqn.source_info.name_stack
+  return _Both(info.user_context(eqn.source_info.traceback,
+                                 name_stack=name_stack), eqn.ctx.manager)
+
+
+class _Both:
+  def __init__(self, a, b):
+    self.a, self.b = a, b
+
+  def __enter__(self):
+    self.a.__enter__()
+    self.b.__enter__()
+
+  def __exit__(self, *exc):
+    try:
+      self.b.__exit__(*exc)
+    finally:
+      self.a.__exit__(*exc)
+
+
+def bind(eqn, vals, params=None):
+  """Binds ``eqn``'s primitive to ``vals`` (with ``params``, default its own).
+
+  Relies on `Primitive.get_bind_params`, which turns a jaxpr equation's params
+  back into ``bind`` arguments (closed jaxprs into thunks, for some
+  primitives). Its return type changed in jax 0.9.2 (a tuple of subfuns and
+  params before, params only since); both are accepted.
+  """
+  params = eqn.params if params is None else params
+  bind_params = eqn.primitive.get_bind_params(params)
+  if isinstance(bind_params, tuple):  # jax < 0.9.2: (subfuns, params).
+    subfuns, bind_params = bind_params
+    return eqn.primitive.bind(*subfuns, *vals, **bind_params)
+  return eqn.primitive.bind(*vals, **bind_params)
+
+
+def constvars_to_invars(closed_jaxpr):
+  """A const-free jaxpr taking ``closed_jaxpr``'s constants as leading inputs.
+
+  Relies on `partial_eval.convert_constvars_jaxpr`.
+  """
+  from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+  return pe.convert_constvars_jaxpr(closed_jaxpr.jaxpr)
+
+
+def invars_to_constvars(jaxpr, n: int):
+  """``jaxpr`` with its first ``n`` inputs turned into constants.
+
+  Relies on `partial_eval.convert_invars_to_constvars` (the form a custom
+  VJP's forward thunk returns).
+  """
+  from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+  return pe.convert_invars_to_constvars(jaxpr, n)
+
+
+def convert_weak(x, dtype):
+  """``x`` in ``dtype``, weakly typed (as a Python scalar would be).
+
+  Relies on `jax._src.lax.lax._convert_element_type`'s ``weak_type`` argument;
+  the public `lax.convert_element_type` always makes strong types.
+  """
+  from jax._src.lax import lax as lax_internal  # pylint: disable=g-import-not-at-top
+  return lax_internal._convert_element_type(x, dtype, weak_type=True)  # pylint: disable=protected-access
+
+
+def user_frames(eqn):
+  """The frames of ``eqn``'s traceback outside JAX, innermost first.
+
+  Relies on `jax._src.source_info_util.user_frames` and
+  `SourceInfo.traceback`.
+  """
+  from jax._src import source_info_util  # pylint: disable=g-import-not-at-top
+  return list(source_info_util.user_frames(eqn.source_info.traceback))
+
+
+# --- Higher-order primitives --------------------------------------------------
+# Parameters holding functions rather than jaxprs, by primitive: what each
+# returns when called, so that a rewrite can reach inside.
+
+# custom_jvp_call: `jvp_jaxpr_fun.call_wrapped(*zeros) -> (jaxpr, consts,
+# out_zeros)`; custom_vjp_call: `fwd_jaxpr_thunk.call_wrapped(*zeros) ->
+# (jaxpr, consts)` and `bwd.call_wrapped(*residuals, *cotangents) -> cts`.
+JVP_THUNK = ("custom_jvp_call", "jvp_jaxpr_fun")
+FWD_THUNK = ("custom_vjp_call", "fwd_jaxpr_thunk")
+BWD_FUN = ("custom_vjp_call", "bwd")
+
+# Primitives that carry jaxprs or functions in their params, as of the
+# installed JAX. The rewrite handles a jaxpr in any primitive's params
+# generically (rewritten in place, types unchanged); the functions it reaches
+# into are the thunks above. `higher_order_primitives` finds the primitives that
+# register the rules only higher-order primitives need, and the inventory test
+# fails when one is missing here: it must be looked at before it is trusted.
+KNOWN_HIGHER_ORDER = frozenset({
+    "call", "closed_call", "core_call", "jit", "pjit", "remat2", "remat_opt",
+    "scan", "while", "cond", "custom_jvp_call", "custom_vjp_call", "custom_lin",
+    "shard_map", "xla_pmap", "linear_call", "custom_transpose_call",
+    "call_hi_primitive", "core_map", "run_state"})
+# First-order primitives with one of those rules (typechecks of dynamic
+# shapes, references and printing).
+_FIRST_ORDER_WITH_RULES = frozenset({
+    "broadcast_in_dim", "dynamic_slice", "iota", "reshape", "addupdate", "get",
+    "swap", "new_ref", "free_ref", "debug_print", "debug_callback"})
+
+
+def higher_order_primitives() -> frozenset[str]:
+  """Names of the primitives JAX gives higher-order rules, loaded so far.
+
+  Relies on `partial_eval.dce_rules`, `partial_eval.partial_eval_jaxpr_custom_
+  rules` and `core.custom_typechecks`, tables JAX fills for primitives whose
+  params hold jaxprs, and on the `CallPrimitive` class.
+  """
+  from jax._src import core as core_internal  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+  names = {p.name for table in (pe.dce_rules, pe.partial_eval_jaxpr_custom_rules,
+                                core_internal.custom_typechecks)
+           for p in table}
+  names |= {p.name for p in all_primitives().values()
+            if isinstance(p, core_internal.CallPrimitive)}
+  return frozenset(names - _FIRST_ORDER_WITH_RULES)
+
+
+def wrap_fun(fun: Callable[..., Any], like) -> Any:
+  """``fun`` as a `WrappedFun` with the debug info of ``like``."""
+  return jex.linear_util.wrap_init(fun, debug_info=like.debug_info)
+
+
+def is_wrapped_fun(x) -> bool:
+  return isinstance(x, jex.linear_util.WrappedFun)
+
+
+def all_primitives() -> dict[str, Any]:
+  """Every `Primitive` instance defined in the JAX modules imported so far.
+
+  Relies on primitives being module-level globals of ``jax._src`` modules.
+  """
+  found = {}
+  for name, module in list(sys.modules.items()):
+    if not (name == "jax" or name.startswith(("jax.", "jaxlib."))):
+      continue
+    for value in list(vars(module).values()):
+      if isinstance(value, Primitive):
+        found.setdefault(value.name, value)
+  return found
+
+
+def jax_version() -> tuple[int, ...]:
+  return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
