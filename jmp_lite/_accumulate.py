@@ -305,13 +305,30 @@ def _conv_batch(args, dims, *, out_dtype, **params):
     return jax.vmap(
         lambda a, b: lax.conv_general_dilated_p.bind(a, b, **_narrow(params)),
         in_axes=dims)(lhs, rhs)
-  out = _rewritten(narrow, *args)
-  return lax.convert_element_type(out, out_dtype), 0
+  return _rewritten(narrow, *args, out_dtype=out_dtype), 0
 
 
-def _rewritten(fun, *args):
-  from jmp_lite import _engine  # pylint: disable=g-import-not-at-top
-  return _engine.accumulate(fun)(*args)
+def _rewritten(fun, *args, out_dtype=None):
+  """``fun`` (lax code on narrow operands) with its products accumulating in f32.
+
+  With ``out_dtype``, each product's result is produced in ``out_dtype``
+  instead of rounded to the operands' dtype, and what follows it (the
+  reshapes and transposes of a batching rule, which work in any dtype) runs
+  on that: a float32 result stays unrounded.
+  """
+  closed = jax.make_jaxpr(fun)(*args)
+
+  def eval_eqn(eqn, invals):
+    from jmp_lite import _engine  # pylint: disable=g-import-not-at-top
+    if _engine.is_narrow_matmul(eqn):
+      dtype = out_dtype or eqn.outvars[0].aval.dtype
+      params = {k: v for k, v in eqn.params.items()
+                if k != "preferred_element_type"}
+      return bind(eqn.primitive.name, *invals, params, dtype)
+    return _internals.bind(eqn, invals)
+
+  out, = _internals.eval_jaxpr(closed.jaxpr, closed.consts, args, eval_eqn)
+  return out if out_dtype is None else lax.convert_element_type(out, out_dtype)
 
 
 _internals.define_bilinear(conv_p, _conv_transpose(0), _conv_transpose(1))

@@ -127,6 +127,49 @@ class _Both:
       self.a.__exit__(*exc)
 
 
+def eval_jaxpr(jaxpr, consts, args, eval_eqn) -> list[Any]:
+  """Evaluates ``jaxpr`` on ``args``, computing each equation with ``eval_eqn``.
+
+  ``eval_eqn(eqn, invals)`` returns what ``eqn``'s bind would. Each equation
+  runs in its own source and name-stack context (`eqn_context`), so rewritten
+  equations keep the user's line for `jmp_lite.audit`. Relies on `Literal.val`
+  and `DropVar`.
+  """
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, core.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    with eqn_context(eqn):
+      outs = eval_eqn(eqn, invals)
+    if not eqn.primitive.multiple_results:
+      outs = [outs]
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, core.DropVar):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def shard_map_call(eqn, body: Callable[..., Any], args):
+  """Runs ``body`` per shard as ``eqn`` (a ``shard_map``) runs its jaxpr.
+
+  Relies on the params `jax.shard_map` records: ``mesh``, ``in_specs``,
+  ``out_specs``, ``check_vma`` and ``newly_manual_axes`` (its ``axis_names``).
+  """
+  p = eqn.params
+  kwargs = dict(mesh=p["mesh"], in_specs=p["in_specs"],
+                out_specs=p["out_specs"], check_vma=p["check_vma"])
+  if "newly_manual_axes" in p:
+    kwargs["axis_names"] = p["newly_manual_axes"]
+  return list(jax.shard_map(lambda *a: tuple(body(*a)), **kwargs)(*args))
+
+
 def bind(eqn, vals, params=None):
   """Binds ``eqn``'s primitive to ``vals`` (with ``params``, default its own).
 

@@ -64,128 +64,62 @@ other.
 
 Structure and composition:
 
+* The rewrite runs on the precision engine shared with `jmp_lite.flax.wrap`:
+  white-listed matmuls and convolutions become the engine's float32-
+  accumulating primitives, whose derivatives accumulate in float32 too. So
+  ``jax.grad(autocast(f))`` runs its backward matmuls on half x half operands
+  like ``autocast(jax.grad(f))`` does, and ``jax.jvp``, ``jax.hessian`` and
+  ``jax.vmap`` of an autocast function compose the same way.
 * ``jit``/``pjit`` calls are inlined; ``checkpoint`` (``remat2``) is rebuilt
   around the rewritten body with the same policy.
-* ``scan``, ``while``, ``cond``, ``custom_jvp_call`` and ``custom_vjp_call``
-  bodies are rewritten with their interface dtypes unchanged (loop carries
-  keep their dtype), so a custom derivative rule still sees the dtypes it was
-  written for. The rules themselves (the custom JVP, the custom VJP's
-  backward) run as written; the custom VJP's forward is autocast too.
-* Other primitives that carry jaxprs (``shard_map``, callbacks...) get their
-  original input dtypes back and run as written.
+* ``scan``, ``while``, ``cond``, ``shard_map``, ``custom_jvp_call`` and
+  ``custom_vjp_call`` bodies are rewritten with their interface dtypes
+  unchanged (loop carries keep their dtype), so a custom derivative rule still
+  sees the dtypes it was written for. The custom rules themselves (a custom
+  JVP, a custom VJP's backward) keep their dtypes, and their half-precision
+  matmuls accumulate in float32.
+* Other primitives that carry jaxprs get their original input dtypes back
+  and run as written, with the engine's float32 accumulation inside; what the
+  engine cannot see into is reported (``strict=True`` makes it an error).
+* PRNG keys and other non-numeric values pass through untouched, so dropout
+  works under autocast.
 * The autocast function returns exactly the dtypes ``fun`` returns, so it is a
-  drop-in replacement. ``jax.jit``, ``jax.vmap`` and ``jax.grad`` compose in
-  either order. ``jax.grad(autocast(f))`` differentiates the rewritten forward
-  pass: its backward matmuls then multiply float32 cotangents by half-precision
-  activations (float32 work). Wrap the whole step, ``autocast(jax.grad(f))``,
-  to run the backward matmuls in half precision as well; `jmp_lite.audit`
-  shows the difference.
-* Each call traces ``fun``: call the result under ``jax.jit``.
+  drop-in replacement. Called outside any transformation it runs compiled and
+  cached by argument structure, so repeated calls do not trace again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import jax
 import jax.extend as jex
 import numpy as np
 from jax import lax
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax import lax as lax_internal
 
-from jmp_lite import _jaxpr
-from jmp_lite._dot import canonicalize
+from jmp_lite import _accumulate
+from jmp_lite import _engine
+from jmp_lite import _internals
+from jmp_lite.oplists import CUMULATIVE as _CUMULATIVE
+from jmp_lite.oplists import DEFAULT_BLACK_LIST
+from jmp_lite.oplists import DEFAULT_WHITE_LIST
+from jmp_lite.oplists import MIN_REDUCTION_SIZE
+from jmp_lite.oplists import PrimitiveLike
+from jmp_lite.oplists import REDUCE_AXES as _REDUCE_AXES
+from jmp_lite.oplists import primitive_name
 from jmp_lite.policy import Policy, get_policy
 
+__all__ = ("autocast", "primitive_name", "DEFAULT_WHITE_LIST",
+           "DEFAULT_BLACK_LIST", "MIN_REDUCTION_SIZE")
+
 _core = jex.core
-_source_info = jex.source_info_util
-
-DEFAULT_WHITE_LIST: frozenset[str] = frozenset({
-    "dot_general", "conv_general_dilated"})
-
-DEFAULT_BLACK_LIST: frozenset[str] = frozenset({
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "logistic",
-    "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
-    "reduce_sum", "reduce_prod", "reduce_max",
-    "cumsum", "cumprod", "cumlogsumexp",
-    "psum", "psum_invariant", "reduce_scatter"})
-
-MIN_REDUCTION_SIZE = 16
-
-# Black-listed ops that are reductions: float32 only when large.
-# (max and min are exact in any dtype: black-listed, they run in float32 at any
-# size, so that the softmax `x - max(x)` is computed in float32.)
-_REDUCE_AXES = frozenset({"reduce_sum", "reduce_prod"})
-_CUMULATIVE = frozenset({"cumsum", "cumprod", "cumlogsumexp"})
 # Ops that must see the dtypes they were traced with.
 _OPAQUE = frozenset({"bitcast_convert_type", "pure_callback", "io_callback",
-                     "debug_callback", "shard_map", "xla_pmap"})
-# lax wrappers whose name is not their primitive's.
-_LAX_ALIASES = {
-    "conv": "conv_general_dilated",
-    "conv_with_general_padding": "conv_general_dilated",
-    "conv_transpose": "conv_general_dilated",
-    "dot": "dot_general",
-    "batch_matmul": "dot_general",
-    "psum_scatter": "reduce_scatter",
-}
-
-PrimitiveLike = Union[str, "jex.core.Primitive", Callable[..., Any]]
-
-
-def _known_primitive_names() -> frozenset[str]:
-  names = {p.name for p in vars(_core.primitives).values()
-           if isinstance(p, _core.Primitive)}
-  return frozenset(names | {"psum_invariant", "reduce_scatter", "pjit",
-                            "closed_call", "custom_jvp_call",
-                            "custom_vjp_call", "remat2"})
-
-
-def primitive_name(op: PrimitiveLike) -> str:
-  """The jaxpr primitive name of ``op``: a name, a `Primitive` or a lax function.
-
-  Args:
-    op: ``"exp"``, ``jax.extend.core.primitives.exp_p`` or ``jax.lax.exp``.
-      Wrappers such as ``jax.lax.conv`` and ``jax.lax.dot`` map to the
-      primitive they bind (``conv_general_dilated``, ``dot_general``).
-
-  Returns:
-    The name as it appears in ``jax.make_jaxpr`` output.
-
-  Raises:
-    ValueError: for an unknown name or a function that is not in ``jax.lax``.
-
-  Example:
-    >>> from jax import lax
-    >>> primitive_name(lax.exp), primitive_name(lax.conv), primitive_name("tanh")
-    ('exp', 'conv_general_dilated', 'tanh')
-  """
-  known = _known_primitive_names()
-  if isinstance(op, _core.Primitive):
-    return op.name
-  if isinstance(op, str):
-    if op in known:
-      return op
-    close = difflib.get_close_matches(op, sorted(known), n=3)
-    raise ValueError(
-        f"Unknown primitive name {op!r}; close matches: {close}. Names are"
-        " those printed by jax.make_jaxpr (e.g. 'dot_general', 'reduce_sum').")
-  name = getattr(op, "__name__", None)
-  if callable(op) and name and getattr(lax, name, None) is op:
-    name = _LAX_ALIASES.get(name, name)
-    if name in known:
-      return name
-  raise ValueError(
-      f"Cannot map {op!r} to a jaxpr primitive: pass a jax.lax function that"
-      " binds a single primitive (jax.lax.exp), a Primitive, or the name"
-      " printed by jax.make_jaxpr (e.g. 'dot_general').")
-
+                     "debug_callback", "xla_pmap"})
 
 @dataclasses.dataclass(frozen=True)
 class _Rules:
@@ -232,7 +166,8 @@ def autocast(fun: Callable[..., Any],
              *,
              white_list: Optional[Iterable[PrimitiveLike]] = None,
              black_list: Optional[Iterable[PrimitiveLike]] = None,
-             min_reduction_size: int = MIN_REDUCTION_SIZE) -> Callable[..., Any]:
+             min_reduction_size: int = MIN_REDUCTION_SIZE,
+             strict: bool = False) -> Callable[..., Any]:
   """Returns ``fun`` with per-op precision: matmuls in half, fragile ops in f32.
 
   See the module docstring for the rules and the default lists.
@@ -248,6 +183,9 @@ def autocast(fun: Callable[..., Any],
     black_list: extra ops to run in float32; removed from the white list.
     min_reduction_size: black-listed reductions combining fewer elements than
       this into each output follow their input dtype instead.
+    strict: raise `jmp_lite.UncoveredMatmulError` instead of warning when a
+      computation the engine cannot see into (a primitive JAX does not
+      define, an FFI call) takes half-precision operands.
 
   Returns:
     A function with ``fun``'s signature and output dtypes.
@@ -276,24 +214,33 @@ def autocast(fun: Callable[..., Any],
                       min_reduction_size)
 
   @functools.wraps(fun)
-  def autocast_fun(*args, **kwargs):
-    flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-    flat = [x if isinstance(x, (jax.Array, np.ndarray)) else jax.numpy.asarray(x)
-            for x in flat]
+  def interpreted(*args, **kwargs):
+    # Array leaves are traced; other leaves (a Flax module, flags) are passed
+    # as they are.
+    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+    traced = [i for i, x in enumerate(leaves)
+              if isinstance(x, (jax.Array, np.ndarray))]
+    flat = [leaves[i] for i in traced]
     out_trees = []
 
     def flat_fun(*flat_args):
-      a, k = jax.tree_util.tree_unflatten(in_tree, flat_args)
-      leaves, out_tree = jax.tree_util.tree_flatten(fun(*a, **k))
+      full = list(leaves)
+      for i, x in zip(traced, flat_args):
+        full[i] = x
+      a, k = jax.tree_util.tree_unflatten(in_tree, full)
+      out, out_tree = jax.tree_util.tree_flatten(fun(*a, **k))
       out_trees.append(out_tree)
-      return leaves
+      return out
 
     closed = jax.make_jaxpr(flat_fun)(*flat)
     outs = _eval_jaxpr(closed.jaxpr, closed.consts, flat, rules)
     outs = [_cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals)]
     return jax.tree_util.tree_unflatten(out_trees[-1], outs)
 
-  return autocast_fun
+  # The engine traces the interpreted function once per argument structure
+  # and gives every matmul the interpreter leaves narrow (custom rules,
+  # opaque bodies) float32 accumulation.
+  return _engine.accumulate(interpreted, strict=strict)
 
 
 # ---------------------------------------------------------------------------
@@ -309,14 +256,16 @@ class _Wide:
     self.value, self.dtype = value, dtype
 
 
-def _dtype(x) -> np.dtype:
+def _dtype(x):
+  """``x``'s dtype; PRNG keys have extended dtypes, which NumPy cannot parse."""
   if isinstance(x, _Wide):
     return x.dtype
-  return np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(jax.typeof(x).dtype)
+  return jax.typeof(x).dtype
 
 
 def _is_float(dtype) -> bool:
-  return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
+  return (isinstance(dtype, np.dtype)
+          and bool(jax.numpy.issubdtype(dtype, jax.numpy.floating)))
 
 
 def _bits(dtype) -> int:
@@ -342,7 +291,7 @@ def _as(x, dtype):
 def _cast_to_aval(x, aval):
   x = _as(x, aval.dtype)
   if getattr(aval, "weak_type", False) and not jax.typeof(x).weak_type:
-    x = lax_internal._convert_element_type(x, aval.dtype, weak_type=True)  # pylint: disable=protected-access
+    x = _internals.convert_weak(x, aval.dtype)
   return x
 
 
@@ -351,11 +300,11 @@ def _cast_to_aval(x, aval):
 
 
 def _eval_jaxpr(jaxpr, consts, args, rules: _Rules) -> list[Any]:
-  return _jaxpr.eval_jaxpr(jaxpr, consts, args,
-                           lambda eqn, invals: _eval_eqn(eqn, invals, rules))
+  return _internals.eval_jaxpr(
+      jaxpr, consts, args, lambda eqn, invals: _eval_eqn(eqn, invals, rules))
 
 
-_bind = _jaxpr.bind
+_bind = _internals.bind
 
 
 def _restore(eqn, invals):
@@ -397,17 +346,22 @@ def _white(eqn, invals, rules: _Rules):
   floats = _float_positions(eqn)
   orig = [eqn.invars[i].aval.dtype for i in floats]
   if not floats or any(_bits(d) <= 8 for d in orig):
-    return _follow(eqn, invals)  # integer or fp8 (quantised) arithmetic.
+    # Integer or fp8 (quantised) arithmetic keeps its dtypes; the engine gives
+    # an fp8 product float32 accumulation, as `wrap` does.
+    return _follow(eqn, invals)
   vals = [_as(x, rules.compute) if i in floats else x
           for i, x in enumerate(invals)]
   params = eqn.params
   accumulates = "preferred_element_type" in params
+  name = eqn.primitive.name
+  if (name in _accumulate.BY_BASE and len(vals) == 2
+      and _accumulate.is_narrow_float(rules.compute)):
+    # The engine's primitive: float32 accumulation here and in derivatives.
+    out = _accumulate.bind(name, *vals, params, np.float32)
+    return _Wide(out, rules.compute)
   if accumulates:
     acc = _widest([np.dtype(np.float32), *orig])
     params = dict(params, preferred_element_type=acc)
-  if eqn.primitive.name == "dot_general":
-    lhs, rhs, dims = canonicalize(*vals, params["dimension_numbers"])
-    vals, params = [lhs, rhs], dict(params, dimension_numbers=dims)
   out = _bind(eqn, vals, params)
 
   def label(y):
@@ -482,7 +436,7 @@ def _trace(fn, avals) -> tuple[Any, list[Any]]:
   closed = jax.make_jaxpr(fn)(*specs)
   if not closed.consts:
     return closed, []
-  jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+  jaxpr = _internals.constvars_to_invars(closed)
   return _core.ClosedJaxpr(jaxpr, ()), list(closed.consts)
 
 
@@ -566,14 +520,24 @@ def _custom_vjp(eqn, invals, rules):
   def fwd_jaxpr_thunk(*zeros):
     jaxpr, fwd_consts = thunk.call_wrapped(*zeros)
     fwd, hoisted = _rewrite_closed(_core.ClosedJaxpr(jaxpr, fwd_consts), rules)
-    return pe.convert_invars_to_constvars(fwd.jaxpr, len(hoisted)), hoisted
+    return _internals.invars_to_constvars(fwd.jaxpr, len(hoisted)), hoisted
 
   params = dict(
       eqn.params, call_jaxpr=new,
       num_consts=eqn.params["num_consts"] + len(consts),
-      fwd_jaxpr_thunk=jex.linear_util.wrap_init(
-          fwd_jaxpr_thunk, debug_info=thunk.debug_info))
+      fwd_jaxpr_thunk=_internals.wrap_fun(fwd_jaxpr_thunk, thunk))
   return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
+
+
+def _shard_map(eqn, invals, rules):
+  """The body autocast per shard, through the public `jax.shard_map`."""
+  body = eqn.params["jaxpr"]
+
+  def fn(*args):
+    outs = _eval_jaxpr(body, (), args, rules)
+    return [_cast_to_aval(x, v.aval) for x, v in zip(outs, body.outvars)]
+
+  return _internals.shard_map_call(eqn, fn, _restore(eqn, invals))
 
 
 _HIGHER_ORDER = {
@@ -586,4 +550,5 @@ _HIGHER_ORDER = {
     "cond": _cond,
     "custom_jvp_call": _custom_jvp,
     "custom_vjp_call": _custom_vjp,
+    "shard_map": _shard_map,
 }

@@ -279,12 +279,20 @@ class _LinenWrapper(nn.Module):
 
   @nn.nowrap
   def init_with_output(self, rngs, *args, **kwargs):
+    dtype = self.rules.policy.autocast_dtype
+    if dtype is not None:
+      return _linen_autocast(np.dtype(dtype), "init_with_output")(
+          self, rngs, *args, **kwargs)
     if not _needs_rewrite(self.rules):
       return super().init_with_output(rngs, *args, **kwargs)
     return _linen_init(self, rngs, *args, **kwargs)
 
   @nn.nowrap
   def apply(self, variables, *args, **kwargs):
+    dtype = self.rules.policy.autocast_dtype
+    if dtype is not None:
+      return _linen_autocast(np.dtype(dtype), "apply")(
+          self, variables, *args, **kwargs)
     if not _needs_rewrite(self.rules):
       return super().apply(variables, *args, **kwargs)
     return _linen_apply(self, variables, *args, **kwargs)
@@ -296,6 +304,14 @@ class _LinenWrapper(nn.Module):
 _linen_init = _engine.accumulate(
     lambda m, *a, **k: nn.Module.init_with_output(m, *a, **k))
 _linen_apply = _engine.accumulate(lambda m, *a, **k: nn.Module.apply(m, *a, **k))
+
+
+@functools.cache
+def _linen_autocast(dtype, method: str):
+  """Op-level autocast (O1) of ``init_with_output`` or ``apply``, per dtype."""
+  from jmp_lite.autocasting import autocast  # pylint: disable=g-import-not-at-top
+  fun = getattr(nn.Module, method)
+  return autocast(lambda m, *a, **k: fun(m, *a, **k), dtype)
 
 
 def _needs_rewrite(rules: _Rules) -> bool:
@@ -348,7 +364,13 @@ class _NnxWrapper(nnx.Module):
 
   def __call__(self, *args, **kwargs):
     graphdef, state = nnx.split(self.module)
-    run = _nnx_run if _needs_rewrite(self.rules) else _nnx_run_as_written
+    dtype = self.rules.policy.autocast_dtype
+    if dtype is not None:
+      run = _nnx_autocast(np.dtype(dtype))
+    elif _needs_rewrite(self.rules):
+      run = _nnx_run
+    else:
+      run = _nnx_run_as_written
     out, updates = run(self.rules, graphdef, state, *args, **kwargs)
     # Write back only what the call changed (an eval-mode call under a plain
     # JAX transformation changes nothing, and may not mutate), in the stored
@@ -394,6 +416,12 @@ def _nnx_run_as_written(rules: _Rules, graphdef, state, *args, **kwargs):
 _nnx_run = _engine.accumulate(_nnx_run_as_written)
 
 
+@functools.cache
+def _nnx_autocast(dtype):
+  from jmp_lite.autocasting import autocast  # pylint: disable=g-import-not-at-top
+  return autocast(_nnx_run_as_written, dtype)
+
+
 def _owner(policies: dict[tuple, Policy], path) -> Policy:
   """The policy of the innermost module whose path is a prefix of ``path``."""
   path = tuple(path)
@@ -427,8 +455,8 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
   Raises:
     TypeError: if ``module`` is not a Flax module, or a rule key or policy has
       the wrong type.
-    ValueError: for an invalid regex or policy string, or a policy that asks
-      for op-level autocast (``"O1"``), which needs the differentiated step.
+    ValueError: for an invalid regex or policy string, or a rule whose policy
+      asks for op-level autocast (``"O1"`` applies to the whole model).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -441,14 +469,14 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
     (dtype('float32'), dtype('float32'))
   """
   parsed = _Rules.create(policy, rules, default_rules)
-  if parsed.policy.autocast_dtype is not None:
-    # Op-level autocast must see the differentiated step, or the backward
-    # matmuls run in float32; a module wrapper does not see it.
+  inner = [p for _, p in parsed.classes] + [p for _, _, p in parsed.paths]
+  if any(p.autocast_dtype is not None for p in inner):
+    # Op-level autocast rewrites the whole traced call; a module's share of
+    # it has no boundary in the jaxpr.
     raise ValueError(
-        f"wrap applies module-level policies; {str(parsed.policy)!r} asks for "
-        "op-level autocast (O1). Use jmp_lite.value_and_grad(loss, policy=...), "
-        "TrainState(policy=...) or jmp_lite.autocast(jax.value_and_grad(loss), "
-        "policy) on the unwrapped model instead.")
+        "Op-level autocast (O1) applies to a whole model: give it as wrap's "
+        "policy, not in rules (got rules "
+        f"{ {str(k): str(v) for k, v in (rules or {}).items()} }).")
   if isinstance(module, nn.Module):
     return _LinenWrapper(module, parsed)
   if isinstance(module, nnx.Module):

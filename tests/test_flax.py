@@ -11,6 +11,7 @@ from flax import nnx
 
 import jmp_lite
 import jmp_lite.flax
+from jmp_lite.auditing import audit
 
 BF16 = "p=f32,c=bf16,o=f32"
 F32, BF = np.dtype(np.float32), np.dtype(jnp.bfloat16)
@@ -488,6 +489,57 @@ def test_nnx_rules_and_policy_map():
   del model
 
 
-def test_wrap_rejects_an_op_level_autocast_policy():
-  with pytest.raises(ValueError, match="p=f32,c=f32,o=f32,a=bf16.*op-level autocast"):
-    jmp_lite.flax.wrap(nn.Dense(3), "O1")
+class _DropoutMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=True):
+    x = nn.Dense(32)(x)
+    x = nn.Dropout(0.2, deterministic=not train)(nn.gelu(x))
+    return nn.Dense(8)(nn.LayerNorm()(x))
+
+
+def test_linen_o1_policy_autocasts_the_whole_model_with_dropout():
+  """O1 under wrap: f32 params, bf16 matmuls accumulating in f32 both ways."""
+  model, x = _DropoutMLP(), jax.random.normal(jax.random.key(3), (4, 16))
+  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+  wrapped = jmp_lite.flax.wrap(model, "O1")
+  variables = wrapped.init(rngs, x)
+  assert {a.dtype for a in jax.tree.leaves(variables)} == {F32}
+  drop = {"dropout": jax.random.key(2)}
+
+  def loss(apply, params):
+    return jnp.mean(apply({"params": params}, x, rngs=drop) ** 2)
+
+  got = jax.value_and_grad(functools.partial(loss, wrapped.apply))(
+      variables["params"])
+  want = jax.value_and_grad(functools.partial(loss, model.apply))(
+      variables["params"])
+  assert got[0].dtype == F32
+  np.testing.assert_allclose(got[0], want[0], rtol=2e-2)
+  for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+    assert g.dtype == F32
+    np.testing.assert_allclose(g, w, atol=3e-2 * float(jnp.max(jnp.abs(w))))
+  report = audit(jax.grad(functools.partial(loss, wrapped.apply)),
+                 variables["params"])
+  assert report.count(category="matmul") == 5  # 2 forward, 3 backward
+  assert report.count(category="matmul", operand_dtype=BF,
+                      accumulation=F32) == 5
+  report.assert_clean()
+
+
+def test_nnx_o1_policy_autocasts_the_whole_model():
+  model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)),
+                         nnx.Dropout(0.2, rngs=nnx.Rngs(1)),
+                         nnx.Linear(32, 8, rngs=nnx.Rngs(2)))
+  wrapped = jmp_lite.flax.wrap(model, "O1")
+  x = jnp.ones((4, 16))
+  assert nnx.jit(lambda m, x: m(x))(wrapped, x).dtype == F32  # with dropout
+  wrapped.eval()  # a pure function of the parameters, for the audit
+  fun, state = _pure(wrapped)
+  report = audit(fun, state, x)
+  assert report.count(category="matmul", operand_dtype=BF,
+                      accumulation=F32) == 2
+
+
+def test_wrap_rejects_op_level_autocast_in_rules():
+  with pytest.raises(ValueError, match="O1.*whole model"):
+    jmp_lite.flax.wrap(nn.Dense(3), "bf16", rules={nn.Dense: "O1"})
