@@ -1,0 +1,157 @@
+"""The engine's use of JAX internals, checked against the installed JAX.
+
+Oracles: the installed JAX itself (its primitives' parameters and rule tables),
+and the library's own source tree (no module but `jmp_lite/_internals.py`
+imports ``jax._src``).
+"""
+
+import ast
+import pathlib
+import warnings
+
+import flax.linen  # noqa: F401  (loads the primitives a Flax user loads)
+import flax.nnx  # noqa: F401
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.interpreters import mlir
+from jax.sharding import PartitionSpec as P
+
+import jmp_lite
+from jmp_lite import _engine
+from jmp_lite import _internals
+from jmp_lite.auditing import audit
+from jmp_lite.autocasting import autocast
+from jmp_lite.testing import count_compilations
+
+PACKAGE = pathlib.Path(jmp_lite.__file__).parent
+
+
+def test_no_module_but_internals_imports_jax_src():
+  offenders = []
+  for path in sorted(PACKAGE.glob("*.py")):
+    if path.name == "_internals.py":
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module or ""]
+      offenders += [f"{path.name}: {n}" for n in names
+                    if n == "jax._src" or n.startswith("jax._src.")]
+  assert not offenders
+
+
+def test_every_higher_order_primitive_of_this_jax_is_known():
+  """Fails loudly when JAX grows a higher-order primitive nobody looked at."""
+  # Load the modules that define higher-order primitives users reach.
+  import jax.experimental.checkify  # noqa: F401  pylint: disable=g-import-not-at-top
+  import jax.experimental.custom_partitioning  # noqa: F401  pylint: disable=g-import-not-at-top
+  unknown = _internals.higher_order_primitives() - _internals.KNOWN_HIGHER_ORDER
+  assert not unknown, (
+      f"JAX {jax.__version__} has higher-order primitives the engine has not "
+      f"been checked against: {sorted(unknown)}. Look at their params: a "
+      "jaxpr param is rewritten generically; a function param needs a rule in "
+      "jmp_lite/_engine.py (as custom_vjp_call's bwd has).")
+  # The detector itself finds the ones it must.
+  assert {"scan", "while", "cond", "jit", "remat2", "shard_map",
+          "custom_jvp_call", "custom_vjp_call"} <= _internals.higher_order_primitives()
+
+
+def test_thunk_and_shard_map_param_names_are_what_the_engine_reads():
+  @jax.custom_jvp
+  def f(x):
+    return x
+
+  f.defjvp(lambda p, t: (p[0], t[0]))
+
+  @jax.custom_vjp
+  def g(x):
+    return x
+
+  g.defvjp(lambda x: (x, None), lambda _, ct: (ct,))
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  h = jax.shard_map(lambda x: x, mesh=mesh, in_specs=P(), out_specs=P())
+  eqns = {e.primitive.name: e for e in
+          jax.make_jaxpr(lambda x: h(g(f(x))))(1.0).jaxpr.eqns}
+  for prim, param in (_internals.JVP_THUNK, _internals.FWD_THUNK,
+                      _internals.BWD_FUN):
+    assert _internals.is_wrapped_fun(eqns[prim].params[param]), (prim, param)
+  assert {"mesh", "in_specs", "out_specs", "check_vma"} <= set(
+      eqns["shard_map"].params)
+
+
+def _opaque_matmul():
+  """A primitive JAX does not define, whose lowering multiplies in bf16."""
+  prim = _internals.Primitive("user_opaque_matmul")
+  prim.def_abstract_eval(lambda a, b: jax.core.ShapedArray(
+      (a.shape[0], b.shape[1]), a.dtype))
+  mlir.register_lowering(prim, mlir.lower_fun(lambda a, b: a @ b,
+                                              multiple_results=False))
+  return prim
+
+
+OPAQUE = _opaque_matmul()
+
+
+def test_an_opaque_narrow_call_warns_by_default_and_raises_when_strict():
+  a = jnp.ones((4, 8), jnp.bfloat16)
+  b = jnp.ones((8, 2), jnp.bfloat16)
+  fun = lambda a, b: OPAQUE.bind(a, b)  # the line the report names
+  line = fun.__code__.co_firstlineno
+  with pytest.warns(_engine.UncoveredMatmulWarning,
+                    match=rf"user_opaque_matmul.*test_internals.py:{line}"):
+    out = _engine.accumulate(fun)(a, b)
+  assert out.dtype == jnp.bfloat16
+  with pytest.raises(_engine.UncoveredMatmulError,
+                     match=rf"user_opaque_matmul.*test_internals.py:{line}"):
+    autocast(fun, jnp.bfloat16, strict=True)(a, b)
+  # Float32 operands: nothing narrow goes in, nothing to report.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _engine.accumulate(fun)(a.astype(jnp.float32), b.astype(jnp.float32))
+
+
+def test_eager_autocast_compiles_once_per_argument_structure():
+  w = jnp.ones((8, 4))
+  fun = autocast(lambda w, x: jax.nn.softmax(x @ w), jnp.bfloat16)
+  xs = [jnp.full((2, 8), i, jnp.float32) for i in range(4)]
+  fun(w, xs.pop())
+  with count_compilations() as compiled:
+    for x in xs:
+      out = fun(w, x)
+  assert not compiled and out.dtype == jnp.float32
+  x = jnp.ones((3, 8), jnp.float32)
+  with count_compilations() as compiled:
+    fun(w, x)  # a new shape compiles once
+  assert len(compiled) == 1
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "hessian", "jacfwd",
+                                       "vmap"])
+def test_transformations_outside_the_engine_keep_f32_accumulation(transform):
+  rng = np.random.default_rng(0)
+  w1 = jnp.asarray(rng.standard_normal((6, 5)), jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((6,)), jnp.float32)
+
+  def f(x, dtype=jnp.bfloat16):
+    h = jnp.tanh(x.astype(dtype) @ w1.astype(dtype))
+    return jnp.sum(jnp.sin(h @ w2.astype(dtype)).astype(jnp.float32))
+
+  g = _engine.accumulate(f)
+  ops = {"grad": jax.grad, "jacfwd": jax.jacfwd, "hessian": jax.hessian,
+         "jvp": lambda h: (lambda x: jax.jvp(h, (x,), (x,))[1]),
+         "vmap": lambda h: jax.vmap(h)}
+  xs = jnp.stack([x, -x]) if transform == "vmap" else x
+  got = ops[transform](g)(xs)
+  want = ops[transform](lambda x: f(x, jnp.float32))(xs)
+  np.testing.assert_allclose(got, want, rtol=0,
+                             atol=3e-2 * max(1.0, float(jnp.max(jnp.abs(want)))))
+  report = audit(ops[transform](g), xs)
+  assert report.count(category="matmul") >= 2
+  assert report.count(flag="half_matmul") == 0, str(report)
+  assert report.count(category="matmul", accumulation=jnp.float32) == \
+      report.count(category="matmul")
