@@ -233,8 +233,6 @@ def _sharding_at(aval, where):
   mesh = getattr(sharding, "mesh", None)
   if spec is None or mesh is None or getattr(mesh, "empty", True):
     return None
-  if not any(s is not None for s in spec):
-    return None
   spec = tuple(spec) + (None,) * (aval.ndim - len(spec))
   out = [None] * aval.ndim
   for d, pos in where.items():

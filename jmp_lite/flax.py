@@ -31,18 +31,23 @@ Design. The policy lives in the wrapper, never in a registry:
   state (batch statistics, RNG counts) back in its stored dtype. The user's
   objects are never re-classed, and gradients flow through the casts to the
   stored parameters, so they come back in ``param_dtype``.
-* Accumulation is a jaxpr-level rewrite around the whole call, shared by both
-  APIs: the call is traced once and re-evaluated with each low-precision
-  ``dot_general``/``conv_general_dilated`` replaced by a ``custom_vjp`` op
-  that asks for float32 accumulation and whose backward pass does the same.
-  Injecting ``dot_general=`` into layers would miss ``jnp.einsum`` in
-  attention (hard-coded in NNX) and matmuls in user code; a bf16-output dot
-  is both less accurate and, on CPUs with bf16 matrix units, slower than an
-  f32-accumulating one. Bodies of ``scan``, ``while``, ``cond``, ``remat``
-  and custom-derivative functions are run as written, and the rewrite happens
-  in the wrapper's own ``init``/``apply`` (Linen) or ``__call__`` (NNX): a
-  Linen wrapper nested inside another module gets the casts, not the
-  rewrite, so wrap the outermost model.
+* Accumulation is the precision engine's (`jmp_lite.autocast` shares it):
+  the call is traced once and each half-precision ``dot_general`` and
+  ``conv_general_dilated`` becomes a primitive that accumulates in float32,
+  wherever it sits: inside ``nn.scan``, ``nn.remat``, ``nn.vmap``,
+  ``nnx.scan``, ``nnx.remat``, ``jax.checkpoint``, ``cond``, ``while`` and
+  custom-derivative rules. The primitive's derivatives accumulate in float32
+  too, so ``jax.grad``, ``jax.jvp``, ``jax.hessian`` and ``jax.vmap`` applied
+  to the wrapped model all keep half x half -> float32 products. Injecting
+  ``dot_general=`` into layers would miss ``jnp.einsum`` in attention
+  (hard-coded in NNX) and matmuls in user code. The rewrite happens in the
+  wrapper's own ``init``/``apply`` (Linen) or ``__call__`` (NNX): a Linen
+  wrapper nested inside another module gets the casts, not the rewrite, so
+  wrap the outermost model. Called eagerly, the rewritten call is compiled
+  once per argument structure and cached.
+* An op-level policy (``"O1"``: ``a=bf16``) applies `jmp_lite.autocast` to the
+  whole call, with float32 parameters: matmuls in bfloat16 accumulating in
+  float32, exp/log/normalisation in float32.
 
 Rules. ``rules`` maps keys to policies (a `Policy` or a string for
 `get_policy`). A key is a module class (matches its instances and its
@@ -63,132 +68,25 @@ rule matches use ``policy``. `policy_map` lists the outcome.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import re
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import flax.linen as nn
 import jax
-import jax.extend as jex
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
 from jmp_lite import _engine
-from jmp_lite.policy import get_policy
+from jmp_lite._flax_rules import Rules
+from jmp_lite._flax_rules import default_rules
+from jmp_lite._flax_rules import needs_rewrite
+from jmp_lite._flax_rules import path_str
+from jmp_lite._nnx import NnxWrapper
 from jmp_lite.policy import Policy
 
 __all__ = ("wrap", "policy_map", "default_rules")
-
-_NORM_CLASSES = (
-    nn.LayerNorm, nn.RMSNorm, nn.BatchNorm, nn.GroupNorm,
-    nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm,
-)
-_REGEX_SYNTAX = set(".^$*+?{}[]|()\\")
-
-
-def default_rules(policy: Policy | str) -> dict[type, Policy]:
-  """The rules `wrap` adds unless ``default_rules=False``.
-
-  Normalisation layers keep parameters and statistics in float32, compute in
-  float32 and, like every inner module, hand their outputs back in their
-  caller's compute dtype (Haiku's ResNet example does this by hand).
-
-  Example:
-    >>> import flax.linen as nn
-    >>> import jmp_lite.flax
-    >>> str(jmp_lite.flax.default_rules("p=f32,c=bf16,o=f32")[nn.LayerNorm])
-    'p=f32,c=f32,o=f32'
-  """
-  policy = get_policy(policy)
-  norm = Policy(np.float32, np.float32, policy.output_dtype)
-  return {cls: norm for cls in _NORM_CLASSES}
-
-
-# Rules ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rules:
-  """Validated rules; hashable, so a Linen wrapper can hold them as a field."""
-
-  policy: Policy
-  classes: tuple[tuple[type, Policy], ...]
-  paths: tuple[tuple[re.Pattern, int, Policy], ...]  # (pattern, rank, policy)
-
-  @classmethod
-  def create(cls, policy, rules, use_defaults: bool) -> "_Rules":
-    policy = _to_policy(policy, "policy")
-    if rules is None:
-      rules = {}
-    if not isinstance(rules, Mapping):
-      raise TypeError(
-          f"rules must be a mapping from module classes or path regexes to "
-          f"policies, got {rules!r}.")
-    classes = dict(default_rules(policy)) if use_defaults else {}
-    paths = []
-    for i, (key, value) in enumerate(rules.items()):
-      rule_policy = _to_policy(value, f"rules[{key!r}]")
-      if isinstance(key, type):
-        if not issubclass(key, (nn.Module, nnx.Module)):
-          raise TypeError(
-              f"Rule key {key!r} is a class but not a flax.linen.Module or "
-              "flax.nnx.Module subclass.")
-        classes[key] = rule_policy
-      elif isinstance(key, str):
-        try:
-          pattern = re.compile(key)
-        except re.error as e:
-          raise ValueError(
-              f"Rule key {key!r} is not a valid regular expression: {e}.") from None
-        literal = sum(ch not in _REGEX_SYNTAX for ch in key)
-        paths.append((pattern, (literal, i), rule_policy))
-      else:
-        raise TypeError(
-            f"Rule key {key!r} ({type(key).__name__}) must be a module class or "
-            "a regular expression over module paths, e.g. nn.LayerNorm or "
-            "'encoder/.*/attention'.")
-    return cls(policy, tuple(classes.items()), tuple(paths))
-
-  def resolve(self, module_type: type, path: str) -> Policy:
-    """The policy of the most specific rule matching (see module docstring)."""
-    best = None
-    for pattern, rank, policy in self.paths:
-      if pattern.fullmatch(path) and (best is None or rank >= best[0]):
-        best = (rank, policy)
-    if best is not None:
-      return best[1]
-    mro = module_type.__mro__
-    matches = [(mro.index(c), p) for c, p in self.classes if c in mro]
-    if matches:
-      return min(matches, key=lambda m: m[0])[1]
-    return self.policy
-
-
-def _to_policy(value, what: str) -> Policy:
-  if isinstance(value, Policy):
-    return value
-  if isinstance(value, str):
-    try:
-      return get_policy(value)
-    except ValueError as e:
-      raise ValueError(f"{what}: {e}") from None
-  raise TypeError(
-      f"{what} must be a jmp_lite.Policy or a policy string such as "
-      f"'p=f32,c=bf16,o=f32', got {value!r}.")
-
-
-def _path_str(parts) -> str:
-  return "/".join(str(p) for p in parts)
-
-
-def _is_narrow_float(dtype) -> bool:
-  dtype = np.dtype(dtype)
-  return bool(jnp.issubdtype(dtype, jnp.floating)) and jnp.finfo(dtype).bits <= 16
-
 
 # Linen -------------------------------------------------------------------------
 
@@ -225,7 +123,7 @@ class _LinenInterceptor:
   module's outputs go back in its caller's compute dtype.
   """
 
-  def __init__(self, rules: _Rules, root: tuple, record: Optional[dict] = None):
+  def __init__(self, rules: Rules, root: tuple, record: Optional[dict] = None):
     self.rules = rules
     self.root = root
     self.record = record
@@ -245,7 +143,7 @@ class _LinenInterceptor:
       finally:
         self.stack.pop()
       return caller.cast_to_compute(out) if caller else out
-    path = _path_str(module.path[len(self.root):])
+    path = path_str(module.path[len(self.root):])
     policy = self.rules.resolve(type(module), path)
     if self.record is not None:
       self.record.setdefault(path, policy)
@@ -268,7 +166,7 @@ class _LinenWrapper(nn.Module):
   """A Linen model run under a policy. Build it with `wrap`."""
 
   module: nn.Module
-  rules: _Rules
+  rules: Rules
 
   def setup(self):
     nn.share_scope(self, self.module)
@@ -283,7 +181,7 @@ class _LinenWrapper(nn.Module):
     if dtype is not None:
       return _linen_autocast(np.dtype(dtype), "init_with_output")(
           self, rngs, *args, **kwargs)
-    if not _needs_rewrite(self.rules):
+    if not needs_rewrite(self.rules):
       return super().init_with_output(rngs, *args, **kwargs)
     return _linen_init(self, rngs, *args, **kwargs)
 
@@ -293,7 +191,7 @@ class _LinenWrapper(nn.Module):
     if dtype is not None:
       return _linen_autocast(np.dtype(dtype), "apply")(
           self, variables, *args, **kwargs)
-    if not _needs_rewrite(self.rules):
+    if not needs_rewrite(self.rules):
       return super().apply(variables, *args, **kwargs)
     return _linen_apply(self, variables, *args, **kwargs)
 
@@ -312,123 +210,6 @@ def _linen_autocast(dtype, method: str):
   from jmp_lite.autocasting import autocast  # pylint: disable=g-import-not-at-top
   fun = getattr(nn.Module, method)
   return autocast(lambda m, *a, **k: fun(m, *a, **k), dtype)
-
-
-def _needs_rewrite(rules: _Rules) -> bool:
-  policies = [rules.policy, *(p for _, p in rules.classes),
-              *(p for _, _, p in rules.paths)]
-  return any(_is_narrow_float(p.compute_dtype) for p in policies)
-
-
-# NNX ---------------------------------------------------------------------------
-
-
-@functools.cache
-def _casting_class(cls: type) -> type:
-  """A subclass of ``cls`` whose ``__call__`` casts at the module boundary.
-
-  Only instances in `_NnxWrapper`'s throw-away copies get it. The cache is a
-  memo of derived classes, not state.
-  """
-
-  def __call__(self, *args, **kwargs):
-    policy, stack = self._jmp_lite_policy, self._jmp_lite_stack
-    caller = stack[-1] if stack else None
-    args, kwargs = policy.cast_to_compute((args, kwargs))
-    stack.append(policy)
-    try:
-      out = cls.__call__(self, *args, **kwargs)
-    finally:
-      stack.pop()
-    return caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
-
-  return type(cls.__name__, (cls,), {"__call__": __call__,
-                                     "__module__": cls.__module__,
-                                     "__qualname__": cls.__qualname__})
-
-
-class _NnxWrapper(nnx.Module):
-  """An NNX model run under a policy. Build it with `wrap`."""
-
-  def __init__(self, module: nnx.Module, rules: _Rules):
-    self.module = module
-    self.rules = rules
-    policies = self._policies(module)
-    for path, variable in nnx.iter_graph(module):
-      if isinstance(variable, nnx.Param):
-        owner = _owner(policies, path)
-        variable.set_value(owner.cast_to_param(variable.get_value()))
-
-  def _policies(self, module) -> dict[tuple, Policy]:
-    return _policies(self.rules, module)
-
-  def __call__(self, *args, **kwargs):
-    graphdef, state = nnx.split(self.module)
-    dtype = self.rules.policy.autocast_dtype
-    if dtype is not None:
-      run = _nnx_autocast(np.dtype(dtype))
-    elif _needs_rewrite(self.rules):
-      run = _nnx_run
-    else:
-      run = _nnx_run_as_written
-    out, updates = run(self.rules, graphdef, state, *args, **kwargs)
-    # Write back only what the call changed (an eval-mode call under a plain
-    # JAX transformation changes nothing, and may not mutate), in the stored
-    # dtype: statistics are never downcast.
-    stored = dict(nnx.to_flat_state(nnx.state(self.module, nnx.Not(nnx.Param))))
-    changed = []
-    for path, variable in nnx.to_flat_state(updates):
-      new, old = variable.get_value(), stored[path].get_value()
-      if new is old:
-        continue
-      if hasattr(old, "dtype") and new.dtype != old.dtype:
-        variable.set_value(new.astype(old.dtype))
-      changed.append((path, variable))
-    if changed:
-      nnx.update(self.module, nnx.from_flat_state(changed))
-    return out
-
-
-def _policies(rules: _Rules, module) -> dict[tuple, Policy]:
-  return {tuple(path): rules.resolve(type(m), _path_str(path))
-          for path, m in nnx.iter_modules(module)}
-
-
-def _nnx_run_as_written(rules: _Rules, graphdef, state, *args, **kwargs):
-  """Runs a throw-away copy of the model with the policies applied."""
-  copy = nnx.merge(graphdef, state)
-  policies = _policies(rules, copy)
-  stack = []
-  for path, node in list(nnx.iter_graph(copy)):
-    if isinstance(node, nnx.Param):
-      policy = _owner(policies, path)
-      node.set_value(policy.cast_to_compute(node.get_value()))
-    elif isinstance(node, nnx.Module):
-      object.__setattr__(node, "_jmp_lite_policy", policies[tuple(path)])
-      object.__setattr__(node, "_jmp_lite_stack", stack)
-      if type(node).__call__ is not nnx.Module.__call__:
-        object.__setattr__(node, "__class__", _casting_class(type(node)))
-  out = copy(*args, **kwargs)
-  return out, nnx.state(copy, nnx.Not(nnx.Param))
-
-
-# Cached per (rules, graph structure, argument structure): see `_linen_apply`.
-_nnx_run = _engine.accumulate(_nnx_run_as_written)
-
-
-@functools.cache
-def _nnx_autocast(dtype):
-  from jmp_lite.autocasting import autocast  # pylint: disable=g-import-not-at-top
-  return autocast(_nnx_run_as_written, dtype)
-
-
-def _owner(policies: dict[tuple, Policy], path) -> Policy:
-  """The policy of the innermost module whose path is a prefix of ``path``."""
-  path = tuple(path)
-  for n in range(len(path) - 1, -1, -1):
-    if path[:n] in policies:
-      return policies[path[:n]]
-  raise AssertionError(f"No module owns {path}.")
 
 
 # Public API --------------------------------------------------------------------
@@ -468,7 +249,7 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
     >>> variables["params"]["kernel"].dtype, model.apply(variables, x).dtype
     (dtype('float32'), dtype('float32'))
   """
-  parsed = _Rules.create(policy, rules, default_rules)
+  parsed = Rules.create(policy, rules, default_rules)
   inner = [p for _, p in parsed.classes] + [p for _, _, p in parsed.paths]
   if any(p.autocast_dtype is not None for p in inner):
     # Op-level autocast rewrites the whole traced call; a module's share of
@@ -480,7 +261,7 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
   if isinstance(module, nn.Module):
     return _LinenWrapper(module, parsed)
   if isinstance(module, nnx.Module):
-    return _NnxWrapper(module, parsed)
+    return NnxWrapper(module, parsed)
   raise TypeError(
       f"wrap expects a flax.linen.Module or a flax.nnx.Module, got {module!r} "
       f"({type(module).__name__}).")
@@ -513,9 +294,9 @@ def policy_map(wrapped, *args, rngs=None, **kwargs) -> dict[str, Policy]:
     >>> {k: str(v) for k, v in jmp_lite.flax.policy_map(model, jnp.ones((1, 3))).items()}
     {'': 'p=f32,c=bf16,o=f32', 'LayerNorm_0': 'p=f32,c=f32,o=f32', 'Dense_0': 'p=f32,c=bf16,o=f32'}
   """
-  if isinstance(wrapped, _NnxWrapper):
+  if isinstance(wrapped, NnxWrapper):
     del args, rngs, kwargs
-    return {_path_str(path): policy
+    return {path_str(path): policy
             for path, policy in wrapped._policies(wrapped.module).items()}  # pylint: disable=protected-access
   if not isinstance(wrapped, _LinenWrapper):
     raise TypeError(

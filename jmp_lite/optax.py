@@ -262,7 +262,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
       raise ValueError(
           "with_loss_scale inside optax.MultiSteps: MultiSteps keeps a NaN "
           "from one overflowing micro-batch in its accumulator for good. Use "
-          f"with_loss_scale(..., accumulate_steps=k) instead.")
+          "with_loss_scale(..., accumulate_steps=k) instead.")
     with stored_params(params):
       inner_state = inner.init(_unscale.for_inner(params))
     if _contains_loss_scale_state(inner_state):

@@ -1,0 +1,339 @@
+"""The interpreter behind `jmp_lite.autocast`: each equation in its dtype.
+
+`eval_jaxpr` re-evaluates a jaxpr with the white/black/follow rules of
+`jmp_lite.autocasting`; sub-jaxprs of control flow are rewritten with their
+interface dtypes unchanged. White-listed matmuls bind the precision engine's
+float32-accumulating primitives (`jmp_lite._accumulate`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.extend as jex
+import numpy as np
+from jax import lax
+
+from jmp_lite import _accumulate
+from jmp_lite import _internals
+from jmp_lite.oplists import CUMULATIVE as _CUMULATIVE
+from jmp_lite.oplists import REDUCE_AXES as _REDUCE_AXES
+
+_core = jex.core
+# Ops that must see the dtypes they were traced with.
+_OPAQUE = frozenset({"bitcast_convert_type", "pure_callback", "io_callback",
+                     "debug_callback", "xla_pmap"})
+
+
+# ---------------------------------------------------------------------------
+# Values. A white-listed op's float32 accumulator is kept as `_Wide`: it counts
+# as compute dtype for the rules, and is rounded only where a consumer needs
+# that dtype.
+
+
+class _Wide:
+  __slots__ = ("value", "dtype")
+
+  def __init__(self, value, dtype):
+    self.value, self.dtype = value, dtype
+
+
+def _dtype(x):
+  """``x``'s dtype; PRNG keys have extended dtypes, which NumPy cannot parse."""
+  if isinstance(x, _Wide):
+    return x.dtype
+  return jax.typeof(x).dtype
+
+
+def _is_float(dtype) -> bool:
+  return (isinstance(dtype, np.dtype)
+          and bool(jax.numpy.issubdtype(dtype, jax.numpy.floating)))
+
+
+def _bits(dtype) -> int:
+  return np.dtype(dtype).itemsize * 8
+
+
+def _widest(dtypes: Iterable[np.dtype]) -> np.dtype:
+  dtypes = set(map(np.dtype, dtypes))
+  widest = max(dtypes, key=_bits)
+  # bfloat16 and float16 side by side: neither holds the other.
+  if sum(_bits(d) == _bits(widest) for d in dtypes) > 1:
+    return np.dtype(np.float32) if _bits(widest) < 32 else widest
+  return widest
+
+
+def _as(x, dtype):
+  """``x`` (rounded from its float32 accumulator if any) in ``dtype``."""
+  if isinstance(x, _Wide):
+    x = x.value
+  return x if _dtype(x) == dtype else lax.convert_element_type(x, dtype)
+
+
+def cast_to_aval(x, aval):
+  x = _as(x, aval.dtype)
+  if getattr(aval, "weak_type", False) and not jax.typeof(x).weak_type:
+    x = _internals.convert_weak(x, aval.dtype)
+  return x
+
+
+# ---------------------------------------------------------------------------
+# The interpreter.
+
+
+def eval_jaxpr(jaxpr, consts, args, rules) -> list[Any]:
+  return _internals.eval_jaxpr(
+      jaxpr, consts, args, lambda eqn, invals: _eval_eqn(eqn, invals, rules))
+
+
+_bind = _internals.bind
+
+
+def _restore(eqn, invals):
+  """Inputs in the dtypes the equation was traced with."""
+  return [cast_to_aval(x, v.aval) for x, v in zip(invals, eqn.invars)]
+
+
+def _has_jaxpr_params(params) -> bool:
+  def is_jaxpr(p):
+    if isinstance(p, (tuple, list)):
+      return any(map(is_jaxpr, p))
+    return isinstance(p, (_core.Jaxpr, _core.ClosedJaxpr))
+  return any(map(is_jaxpr, params.values()))
+
+
+def _eval_eqn(eqn, invals, rules):
+  name = eqn.primitive.name
+  if name in _HIGHER_ORDER:
+    return _HIGHER_ORDER[name](eqn, invals, rules)
+  if name == "convert_element_type":
+    # An explicit cast: convert straight from the float32 accumulator.
+    x = invals[0].value if isinstance(invals[0], _Wide) else invals[0]
+    return _bind(eqn, [x])
+  if (name in _OPAQUE or "callback" in name
+      or _has_jaxpr_params(eqn.params)):
+    return _bind(eqn, _restore(eqn, invals))
+  if name in rules.white:
+    return _white(eqn, invals, rules)
+  if name in rules.black and _is_large(eqn, rules):
+    return _black(eqn, invals)
+  return _follow(eqn, invals)
+
+
+def _float_positions(eqn) -> list[int]:
+  return [i for i, v in enumerate(eqn.invars) if _is_float(v.aval.dtype)]
+
+
+def _white(eqn, invals, rules):
+  floats = _float_positions(eqn)
+  orig = [eqn.invars[i].aval.dtype for i in floats]
+  if not floats or any(_bits(d) <= 8 for d in orig):
+    # Integer or fp8 (quantised) arithmetic keeps its dtypes; the engine gives
+    # an fp8 product float32 accumulation, as `wrap` does.
+    return _follow(eqn, invals)
+  vals = [_as(x, rules.compute) if i in floats else x
+          for i, x in enumerate(invals)]
+  params = eqn.params
+  accumulates = "preferred_element_type" in params
+  name = eqn.primitive.name
+  if (name in _accumulate.BY_BASE and len(vals) == 2
+      and _accumulate.is_narrow_float(rules.compute)):
+    # The engine's primitive: float32 accumulation here and in derivatives.
+    out = _accumulate.bind(name, *vals, params, np.float32)
+    return _Wide(out, rules.compute)
+  if accumulates:
+    acc = _widest([np.dtype(np.float32), *orig])
+    params = dict(params, preferred_element_type=acc)
+  out = _bind(eqn, vals, params)
+
+  def label(y):
+    if accumulates and _is_float(_dtype(y)):
+      return _Wide(y, rules.compute)
+    return y
+
+  if eqn.primitive.multiple_results:
+    return [label(y) for y in out]
+  return label(out)
+
+
+def _is_large(eqn, rules) -> bool:
+  name = eqn.primitive.name
+  shape = eqn.invars[0].aval.shape if eqn.invars else ()
+  if name in _REDUCE_AXES:
+    size = math.prod(shape[a] for a in eqn.params["axes"])
+  elif name in _CUMULATIVE:
+    size = shape[eqn.params["axis"]]
+  else:
+    return True
+  return size >= rules.min_reduction_size
+
+
+def _black(eqn, invals):
+  floats = _float_positions(eqn)
+  orig = {eqn.invars[i].aval.dtype for i in floats}
+  current = [_dtype(invals[i]) for i in floats]
+  f32 = np.dtype(np.float32)
+  if len(orig) == 1:
+    target = _widest([f32, *current])
+    targets = {i: target for i in floats}
+  else:  # e.g. a psum of several differently typed operands.
+    targets = {i: _widest([f32, d]) for i, d in zip(floats, current)}
+  vals = [_as(x, targets[i]) if i in targets else x
+          for i, x in enumerate(invals)]
+  return _bind(eqn, vals)
+
+
+def _follow(eqn, invals):
+  floats = _float_positions(eqn)
+  current = {i: _dtype(invals[i]) for i in floats}
+  orig = {i: eqn.invars[i].aval.dtype for i in floats}
+  if current == orig or len(set(orig.values())) != 1:
+    return _bind(eqn, _restore(eqn, invals))
+  ranked = [i for i in floats if eqn.invars[i].aval.ndim > 0]
+
+  def votes(i):
+    v = eqn.invars[i]
+    weak = (isinstance(v, _core.Literal) or v.aval.weak_type
+            or (ranked and v.aval.ndim == 0))
+    return not weak
+
+  voters = [current[i] for i in floats if votes(i)] or list(current.values())
+  target = _widest(voters)
+  vals = [_as(x, target) if i in current else x for i, x in enumerate(invals)]
+  return _bind(eqn, vals)
+
+
+# ---------------------------------------------------------------------------
+# Sub-jaxprs.
+
+
+def _trace(fn, avals) -> tuple[Any, list[Any]]:
+  """Traces ``fn`` at ``avals``; returns a const-free ClosedJaxpr and consts.
+
+  Constants the trace captured become leading inputs of the jaxpr.
+  """
+  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                weak_type=getattr(a, "weak_type", False))
+           for a in avals]
+  closed = jax.make_jaxpr(fn)(*specs)
+  if not closed.consts:
+    return closed, []
+  jaxpr = _internals.constvars_to_invars(closed)
+  return _core.ClosedJaxpr(jaxpr, ()), list(closed.consts)
+
+
+def _rewrite_closed(closed, rules):
+  """``closed`` autocast inside, with its input and output types unchanged."""
+  def fn(*args):
+    outs = eval_jaxpr(closed.jaxpr, closed.consts, args, rules)
+    return [cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals)]
+  return _trace(fn, closed.in_avals)
+
+
+def _inline(eqn, invals, rules):
+  closed = eqn.params["jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"]
+  return eval_jaxpr(closed.jaxpr, closed.consts, invals, rules)
+
+
+def _remat(eqn, invals, rules):
+  jaxpr = eqn.params["jaxpr"]
+  vals = [_as(x, _dtype(x)) for x in invals]
+
+  def fn(*args):
+    outs = eval_jaxpr(jaxpr, (), args, rules)
+    return [_as(x, _dtype(x)) for x in outs]
+
+  new, consts = _trace(fn, [jax.typeof(x) for x in vals])
+  return _bind(eqn, [*consts, *vals], dict(eqn.params, jaxpr=new.jaxpr))
+
+
+def _scan(eqn, invals, rules):
+  new, consts = _rewrite_closed(eqn.params["jaxpr"], rules)
+  params = dict(eqn.params, jaxpr=new,
+                num_consts=eqn.params["num_consts"] + len(consts))
+  return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
+
+
+def _while(eqn, invals, rules):
+  p = eqn.params
+  cond, cond_consts = _rewrite_closed(p["cond_jaxpr"], rules)
+  body, body_consts = _rewrite_closed(p["body_jaxpr"], rules)
+  vals = _restore(eqn, invals)
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  vals = [*cond_consts, *vals[:cn], *body_consts, *vals[cn:]]
+  params = dict(p, cond_jaxpr=cond, body_jaxpr=body,
+                cond_nconsts=cn + len(cond_consts),
+                body_nconsts=bn + len(body_consts))
+  return _bind(eqn, vals, params)
+
+
+def _cond(eqn, invals, rules):
+  rewritten = [_rewrite_closed(b, rules) for b in eqn.params["branches"]]
+  extra = [c for _, consts in rewritten for c in consts]
+  if extra:
+    # Every branch must take the same operands: give each all the constants.
+    branches, start = [], 0
+    for new, consts in rewritten:
+      def fn(*args, new=new, lo=start, hi=start + len(consts)):
+        return _core.jaxpr_as_fun(new)(*args[lo:hi], *args[len(extra):])
+      closed, more = _trace(fn, [jax.typeof(c) for c in extra]
+                            + list(new.in_avals[len(consts):]))
+      assert not more, "constants of a branch were hoisted already"
+      branches.append(closed)
+      start += len(consts)
+  else:
+    branches = [new for new, _ in rewritten]
+  vals = _restore(eqn, invals)
+  return _bind(eqn, [vals[0], *extra, *vals[1:]],
+               dict(eqn.params, branches=tuple(branches)))
+
+
+def _custom_jvp(eqn, invals, rules):
+  new, consts = _rewrite_closed(eqn.params["call_jaxpr"], rules)
+  params = dict(eqn.params, call_jaxpr=new,
+                num_consts=eqn.params["num_consts"] + len(consts))
+  return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
+
+
+def _custom_vjp(eqn, invals, rules):
+  new, consts = _rewrite_closed(eqn.params["call_jaxpr"], rules)
+  thunk = eqn.params["fwd_jaxpr_thunk"]
+
+  def fwd_jaxpr_thunk(*zeros):
+    jaxpr, fwd_consts = thunk.call_wrapped(*zeros)
+    fwd, hoisted = _rewrite_closed(_core.ClosedJaxpr(jaxpr, fwd_consts), rules)
+    return _internals.invars_to_constvars(fwd.jaxpr, len(hoisted)), hoisted
+
+  params = dict(
+      eqn.params, call_jaxpr=new,
+      num_consts=eqn.params["num_consts"] + len(consts),
+      fwd_jaxpr_thunk=_internals.wrap_fun(fwd_jaxpr_thunk, thunk))
+  return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
+
+
+def _shard_map(eqn, invals, rules):
+  """The body autocast per shard, through the public `jax.shard_map`."""
+  body = eqn.params["jaxpr"]
+
+  def fn(*args):
+    outs = eval_jaxpr(body, (), args, rules)
+    return [cast_to_aval(x, v.aval) for x, v in zip(outs, body.outvars)]
+
+  return _internals.shard_map_call(eqn, fn, _restore(eqn, invals))
+
+
+_HIGHER_ORDER = {
+    "jit": _inline,
+    "pjit": _inline,
+    "closed_call": _inline,
+    "remat2": _remat,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+    "shard_map": _shard_map,
+}

@@ -1,0 +1,130 @@
+"""NNX models under a policy: the NNX half of `jmp_lite.flax.wrap`.
+
+NNX has no interception hook. The wrapper rebuilds a throw-away copy of the
+module graph on every call (`flax.nnx.split`/`flax.nnx.merge`, cheap under
+``jit``), casts the copy's parameters, gives each copied module a subclass
+whose ``__call__`` casts at the boundary, runs it, and writes the non-param
+state (batch statistics, RNG counts) back in its stored dtype. The user's
+objects are never re-classed, and gradients flow through the casts to the
+stored parameters, so they come back in ``param_dtype``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from flax import nnx
+
+from jmp_lite import _engine
+from jmp_lite._flax_rules import Rules
+from jmp_lite._flax_rules import needs_rewrite
+from jmp_lite._flax_rules import path_str
+from jmp_lite.policy import Policy
+
+@functools.cache
+def _casting_class(cls: type) -> type:
+  """A subclass of ``cls`` whose ``__call__`` casts at the module boundary.
+
+  Only instances in `NnxWrapper`'s throw-away copies get it. The cache is a
+  memo of derived classes, not state.
+  """
+
+  def __call__(self, *args, **kwargs):
+    policy, stack = self._jmp_lite_policy, self._jmp_lite_stack
+    caller = stack[-1] if stack else None
+    args, kwargs = policy.cast_to_compute((args, kwargs))
+    stack.append(policy)
+    try:
+      out = cls.__call__(self, *args, **kwargs)
+    finally:
+      stack.pop()
+    return caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+
+  return type(cls.__name__, (cls,), {"__call__": __call__,
+                                     "__module__": cls.__module__,
+                                     "__qualname__": cls.__qualname__})
+
+
+class NnxWrapper(nnx.Module):
+  """An NNX model run under a policy. Build it with `wrap`."""
+
+  def __init__(self, module: nnx.Module, rules: Rules):
+    self.module = module
+    self.rules = rules
+    policies = self._policies(module)
+    for path, variable in nnx.iter_graph(module):
+      if isinstance(variable, nnx.Param):
+        owner = _owner(policies, path)
+        variable.set_value(owner.cast_to_param(variable.get_value()))
+
+  def _policies(self, module) -> dict[tuple, Policy]:
+    return _policies(self.rules, module)
+
+  def __call__(self, *args, **kwargs):
+    graphdef, state = nnx.split(self.module)
+    dtype = self.rules.policy.autocast_dtype
+    if dtype is not None:
+      run = _nnx_autocast(np.dtype(dtype))
+    elif needs_rewrite(self.rules):
+      run = _nnx_run
+    else:
+      run = _nnx_run_as_written
+    out, updates = run(self.rules, graphdef, state, *args, **kwargs)
+    # Write back only what the call changed (an eval-mode call under a plain
+    # JAX transformation changes nothing, and may not mutate), in the stored
+    # dtype: statistics are never downcast.
+    stored = dict(nnx.to_flat_state(nnx.state(self.module, nnx.Not(nnx.Param))))
+    changed = []
+    for path, variable in nnx.to_flat_state(updates):
+      new, old = variable.get_value(), stored[path].get_value()
+      if new is old:
+        continue
+      if hasattr(old, "dtype") and new.dtype != old.dtype:
+        variable.set_value(new.astype(old.dtype))
+      changed.append((path, variable))
+    if changed:
+      nnx.update(self.module, nnx.from_flat_state(changed))
+    return out
+
+
+def _policies(rules: Rules, module) -> dict[tuple, Policy]:
+  return {tuple(path): rules.resolve(type(m), path_str(path))
+          for path, m in nnx.iter_modules(module)}
+
+
+def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
+  """Runs a throw-away copy of the model with the policies applied."""
+  copy = nnx.merge(graphdef, state)
+  policies = _policies(rules, copy)
+  stack = []
+  for path, node in list(nnx.iter_graph(copy)):
+    if isinstance(node, nnx.Param):
+      policy = _owner(policies, path)
+      node.set_value(policy.cast_to_compute(node.get_value()))
+    elif isinstance(node, nnx.Module):
+      object.__setattr__(node, "_jmp_lite_policy", policies[tuple(path)])
+      object.__setattr__(node, "_jmp_lite_stack", stack)
+      if type(node).__call__ is not nnx.Module.__call__:
+        object.__setattr__(node, "__class__", _casting_class(type(node)))
+  out = copy(*args, **kwargs)
+  return out, nnx.state(copy, nnx.Not(nnx.Param))
+
+
+# Cached per (rules, graph structure, argument structure): see `_linen_apply`.
+_nnx_run = _engine.accumulate(_nnx_run_as_written)
+
+
+@functools.cache
+def _nnx_autocast(dtype):
+  from jmp_lite.autocasting import autocast  # pylint: disable=g-import-not-at-top
+  return autocast(_nnx_run_as_written, dtype)
+
+
+def _owner(policies: dict[tuple, Policy], path) -> Policy:
+  """The policy of the innermost module whose path is a prefix of ``path``."""
+  path = tuple(path)
+  for n in range(len(path) - 1, -1, -1):
+    if path[:n] in policies:
+      return policies[path[:n]]
+  raise AssertionError(f"No module owns {path}.")
