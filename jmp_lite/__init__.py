@@ -32,6 +32,8 @@ _LAZY_NAMES = {
     "autocast": "autocasting",
     "StepInfo": "training",
     "TrainState": "training",
+    "UncoveredMatmulError": "_engine",
+    "UncoveredMatmulWarning": "_engine",
     "value_and_grad": "training",
 }
 
@@ -56,6 +58,8 @@ __all__ = (
     "all_finite",
     "audit",
     "autocast",
+    "UncoveredMatmulError",
+    "UncoveredMatmulWarning",
     "DynamicLossScale",
     "LossScale",
     "NoOpLossScale",

@@ -284,7 +284,7 @@ def audit(fun: Callable[..., Any], *args,
     ...              accumulation=jnp.bfloat16)
     1
     >>> [(row.primitive, row.flags) for row in report.flags]
-    [('exp', ('half_exp_log',)), ('log', ('half_exp_log',)), ('dot_general', ('f32_matmul',))]
+    [('dot_general', ('half_matmul',)), ('exp', ('half_exp_log',)), ('log', ('half_exp_log',)), ('dot_general', ('f32_matmul',))]
     >>> report.summary()[("dot_general", "f32->f32")]
     1
   """
