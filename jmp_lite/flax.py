@@ -24,13 +24,9 @@ Design. The policy lives in the wrapper, never in a registry:
   scope whose ``param`` creates parameters in ``param_dtype`` and reads them in
   ``compute_dtype``. This covers custom modules that call ``self.param``
   directly, not only layers with ``dtype``/``param_dtype`` attributes.
-* NNX has no interception hook. The wrapper rebuilds a throw-away copy of the
-  module graph on every call (`flax.nnx.split`/`flax.nnx.merge`, cheap under
-  ``jit``), casts the copy's parameters, gives each copied module a subclass
-  whose ``__call__`` casts at the boundary, runs it, and writes the non-param
-  state (batch statistics, RNG counts) back in its stored dtype. The user's
-  objects are never re-classed, and gradients flow through the casts to the
-  stored parameters, so they come back in ``param_dtype``.
+* NNX has no interception hook: the wrapper runs a throw-away copy of the
+  module graph with the policies applied and writes the non-param state back
+  (see `jmp_lite._nnx`); gradients come back in ``param_dtype``.
 * Accumulation is the precision engine's (`jmp_lite.autocast` shares it):
   the call is traced once and each half-precision ``dot_general`` and
   ``conv_general_dilated`` becomes a primitive that accumulates in float32,

@@ -234,7 +234,7 @@ def count_compilations() -> Iterator[list]:
     1
   """
   compiled: list = []
-  # jax's event name for a backend compilation (jax._src.dispatch).
+  # The `jax.monitoring` event JAX records for each backend compilation.
   event = "/jax/core/compile/backend_compile_duration"
 
   def listener(name, duration, **kwargs):
