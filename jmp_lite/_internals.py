@@ -10,6 +10,7 @@ when JAX has a higher-order primitive this module does not know.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Callable
 
@@ -100,31 +101,18 @@ def closed(jaxpr, consts):
   return core.ClosedJaxpr(jaxpr, consts)
 
 
+@contextlib.contextmanager
 def eqn_context(eqn):
-  """A context that re-creates ``eqn``'s source line, name stack and context.
+  """Re-creates ``eqn``'s source line, name stack and compute context.
 
   Relies on `JaxprEqn.source_info` (traceback, name_stack) and `JaxprEqn.ctx`
   (its ``manager`` re-enters the equation's compute context).
   """
   info = jex.source_info_util
   name_stack = info.current_name_stack() + eqn.source_info.name_stack
-  return _Both(info.user_context(eqn.source_info.traceback,
-                                 name_stack=name_stack), eqn.ctx.manager)
-
-
-class _Both:
-  def __init__(self, a, b):
-    self.a, self.b = a, b
-
-  def __enter__(self):
-    self.a.__enter__()
-    self.b.__enter__()
-
-  def __exit__(self, *exc):
-    try:
-      self.b.__exit__(*exc)
-    finally:
-      self.a.__exit__(*exc)
+  with info.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+      eqn.ctx.manager:
+    yield
 
 
 def eval_jaxpr(jaxpr, consts, args, eval_eqn) -> list[Any]:
@@ -293,7 +281,3 @@ def all_primitives() -> dict[str, Any]:
       if isinstance(value, Primitive):
         found.setdefault(value.name, value)
   return found
-
-
-def jax_version() -> tuple[int, ...]:
-  return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
