@@ -243,8 +243,11 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
     except TypeError:  # unhashable static arguments: trace every call.
       return run(dynamic, leaves, traced, treedef)
     if key not in jitted:
-      jitted[key] = jax.jit(functools.partial(
-          lambda *d, leaves=leaves: run(list(d), leaves, traced, treedef)))
+      # The cached function closes over the static leaves only: holding the
+      # first call's arrays would keep them alive as long as ``fun``.
+      skeleton = [None if i in traced else x for i, x in enumerate(leaves)]
+      jitted[key] = jax.jit(
+          lambda *d: run(list(d), skeleton, traced, treedef))
     return jitted[key](*dynamic)
 
   return rewritten

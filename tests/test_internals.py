@@ -6,8 +6,10 @@ imports ``jax._src``).
 """
 
 import ast
+import gc
 import pathlib
 import warnings
+import weakref
 
 import flax.linen  # noqa: F401  (loads the primitives a Flax user loads)
 import flax.nnx  # noqa: F401
@@ -127,6 +129,16 @@ def test_eager_autocast_compiles_once_per_argument_structure():
   with count_compilations() as compiled:
     fun(w, x)  # a new shape compiles once
   assert len(compiled) == 1
+
+
+def test_eager_cache_does_not_keep_the_first_call_arguments_alive():
+  fun = autocast(lambda w, x, scale: scale * (x @ w), jnp.bfloat16)
+  w, x = jnp.ones((8, 4)), jnp.ones((2, 8))
+  refs = [weakref.ref(w), weakref.ref(x)]
+  fun(w, x, 2.0)  # 2.0 is static: it is the only leaf the cache holds
+  del w, x
+  gc.collect()
+  assert [r() for r in refs] == [None, None]
 
 
 @pytest.mark.parametrize("transform", ["grad", "jvp", "hessian", "jacfwd",
