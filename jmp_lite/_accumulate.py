@@ -175,50 +175,47 @@ def _free(ndim, contract, batch):
   return [d for d in range(ndim) if d not in contract and d not in batch]
 
 
-def _dot_lhs_cotangent(ct, x, y, *, out_dtype, dimension_numbers, precision,
-                       preferred_element_type, out_sharding):
-  """``ct . rhs`` over rhs's free dims, one dot already in lhs's layout."""
-  del out_dtype, preferred_element_type, out_sharding
-  x_aval = x.aval
-  (lc, rc), (lb, rb) = dimension_numbers
-  lf = _free(x_aval.ndim, lc, lb)
-  rf = _free(np.ndim(y), rc, rb)
-  nb, nlf = len(lb), len(lf)
-  ct_b, ct_rf = tuple(range(nb)), tuple(range(nb + nlf, np.ndim(ct)))
-  sorted_rc = sorted(rc)
-  where = {d: i for i, d in enumerate(lb)}
-  where.update({d: nb + k for k, d in enumerate(lf)})
-  where.update({d_l: nb + nlf + sorted_rc.index(d_r) for d_l, d_r in zip(lc, rc)})
-  ct = lax.convert_element_type(ct, y.dtype)
-  out = bind("dot_general", ct, y, dict(
-      dimension_numbers=((ct_rf, tuple(rf)), (ct_b, tuple(rb))),
-      precision=precision, out_sharding=_sharding_at(x_aval, where)),
-             x_aval.dtype)
-  perm = tuple(where[d] for d in range(x_aval.ndim))
-  return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
+def _dot_cotangent(side):
+  """The transpose rule for operand ``side`` (0: lhs, 1: rhs) of a dot.
 
-
-def _dot_rhs_cotangent(ct, x, y, *, out_dtype, dimension_numbers, precision,
-                       preferred_element_type, out_sharding):
-  """``lhs . ct`` over lhs's free dims (``x.T @ g``): the weight gradient."""
-  del out_dtype, preferred_element_type, out_sharding
-  y_aval = y.aval
-  (lc, rc), (lb, rb) = dimension_numbers
-  lf = _free(np.ndim(x), lc, lb)
-  rf = _free(y_aval.ndim, rc, rb)
-  nb, nlf = len(lb), len(lf)
-  ct_b, ct_lf = tuple(range(nb)), tuple(range(nb, nb + nlf))
-  sorted_lc = sorted(lc)
-  where = {d: i for i, d in enumerate(rb)}
-  where.update({d_r: nb + sorted_lc.index(d_l) for d_l, d_r in zip(lc, rc)})
-  where.update({d: nb + len(lc) + k for k, d in enumerate(rf)})
-  ct = lax.convert_element_type(ct, x.dtype)
-  out = bind("dot_general", x, ct, dict(
-      dimension_numbers=((tuple(lf), ct_lf), (tuple(lb), ct_b)),
-      precision=precision, out_sharding=_sharding_at(y_aval, where)),
-             y_aval.dtype)
-  perm = tuple(where[d] for d in range(y_aval.ndim))
-  return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
+  The cotangent ``ct`` has the dot's output layout: batch, lhs free, rhs free.
+  The rule is one dot of ``ct`` with the known operand ``k`` that contracts
+  ``k``'s free dimensions; the lhs cotangent is ``ct . k`` (``g @ wᵀ``), the
+  rhs one ``k . ct`` (``xᵀ @ g``, the weight gradient), so each comes out
+  with its batch dimensions first, in the operand's order otherwise.
+  """
+  def rule(ct, x, y, *, out_dtype, dimension_numbers, precision,
+           preferred_element_type, out_sharding):
+    del out_dtype, preferred_element_type, out_sharding
+    (lc, rc), (lb, rb) = dimension_numbers
+    u, k = (x, y) if side == 0 else (y, x)
+    (uc, kc), (ub, kb) = ((lc, rc), (lb, rb)) if side == 0 else ((rc, lc),
+                                                                 (rb, lb))
+    u_aval = u.aval
+    uf, kf = _free(u_aval.ndim, uc, ub), _free(np.ndim(k), kc, kb)
+    nb, nlf = len(ub), len(uf if side == 0 else kf)  # lhs's free dims
+    ct_b = tuple(range(nb))
+    ct_kf = (tuple(range(nb + nlf, np.ndim(ct))) if side == 0
+             else tuple(range(nb, nb + nlf)))
+    # Output positions of u's dimensions: batch first, then the free
+    # dimensions of the dot's lhs, then of its rhs (k's contracted ones,
+    # in increasing order).
+    free_at, contracted_at = (nb, nb + len(uf)) if side == 0 else (
+        nb + len(kc), nb)
+    sorted_kc = sorted(kc)
+    where = {d: i for i, d in enumerate(ub)}
+    where.update({d: free_at + j for j, d in enumerate(uf)})
+    where.update({d_u: contracted_at + sorted_kc.index(d_k)
+                  for d_u, d_k in zip(uc, kc)})
+    ct = lax.convert_element_type(ct, k.dtype)
+    operands, dims = ((ct, k), ((ct_kf, tuple(kf)), (ct_b, tuple(kb)))) if (
+        side == 0) else ((k, ct), ((tuple(kf), ct_kf), (tuple(kb), ct_b)))
+    out = bind("dot_general", *operands, dict(
+        dimension_numbers=dims, precision=precision,
+        out_sharding=_sharding_at(u_aval, where)), u_aval.dtype)
+    perm = tuple(where[d] for d in range(u_aval.ndim))
+    return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
+  return rule
 
 
 def _sharding_at(aval, where):
@@ -268,7 +265,7 @@ def _dot_batch(args, dims, *, dimension_numbers, out_sharding, **params):
   return out, out_dim
 
 
-_internals.define_bilinear(dot_p, _dot_lhs_cotangent, _dot_rhs_cotangent)
+_internals.define_bilinear(dot_p, _dot_cotangent(0), _dot_cotangent(1))
 _internals.define_batching(dot_p, _dot_batch)
 
 

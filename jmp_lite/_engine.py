@@ -24,6 +24,7 @@ compose: they transform the primitive, whose rules keep float32 accumulation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Callable
@@ -34,6 +35,7 @@ import numpy as np
 
 from jmp_lite import _accumulate
 from jmp_lite import _internals
+from jmp_lite import _islands
 
 
 class UncoveredMatmulWarning(UserWarning):
@@ -73,8 +75,9 @@ def _source(eqn) -> str:
 class _Rewriter:
   """One rewrite: a memo of rewritten jaxprs and how to report gaps."""
 
-  def __init__(self, strict: bool):
+  def __init__(self, strict: bool, islands: bool = True):
     self.strict = strict
+    self.islands = islands
     self.memo: dict[int, Any] = {}
     self.known = None
 
@@ -89,7 +92,10 @@ class _Rewriter:
     key = id(jaxpr)
     if key not in self.memo:
       eqns = [self.eqn(e) for e in jaxpr.eqns]
-      changed = any(a is not b for a, b in zip(eqns, jaxpr.eqns))
+      if self.islands:
+        eqns = _islands.isolate(eqns, jaxpr.outvars)
+      changed = len(eqns) != len(jaxpr.eqns) or any(
+          a is not b for a, b in zip(eqns, jaxpr.eqns))
       self.memo[key] = (jaxpr, _internals.replace_eqns(jaxpr, eqns)
                         if changed else jaxpr)
     return self.memo[key][1]
@@ -142,11 +148,15 @@ class _Rewriter:
           self.jaxpr(jaxpr), consts, zeros))
     if where == _internals.FWD_THUNK:
       return self.thunk(value, lambda jaxpr, consts: (self.jaxpr(jaxpr), consts))
+    if where == _internals.REMAT_POLICY and value is not None:
+      return _SeesBaseOps(value)
     if where == _internals.BWD_FUN:
       strict = self.strict
+      # A backward rule is not differentiated again (as a rule): nothing
+      # to gain from recomputing its wide islands.
       return _internals.wrap_fun(
           lambda *args: accumulate(value.call_wrapped, strict=strict,
-                                   cache=False)(*args), value)
+                                   cache=False, islands=False)(*args), value)
     return value
 
   def thunk(self, thunk, rewrite_result):
@@ -173,6 +183,24 @@ class _Rewriter:
         return
 
 
+@dataclasses.dataclass(frozen=True)
+class _SeesBaseOps:
+  """A remat policy that sees each engine primitive as the op it replaces.
+
+  ``jax.checkpoint_policies.dots_saveable`` and its kin test ``prim is
+  dot_general_p``: asked about the engine's primitive, they would recompute
+  every matmul the user asked to save. Frozen, so that equal policies keep
+  hitting JAX's caches.
+  """
+  policy: Callable[..., Any]
+
+  def __call__(self, prim, *args, **params):
+    if prim in _accumulate.BASE:
+      params = {k: v for k, v in params.items() if k != "out_dtype"}
+      prim = _accumulate.BASE[prim]
+    return self.policy(prim, *args, **params)
+
+
 def _freeze(x):
   """A hashable stand-in for a static argument (Linen's ``mutable=[...]``)."""
   if isinstance(x, (list, tuple)):
@@ -182,13 +210,17 @@ def _freeze(x):
   return x
 
 
-def rewrite(closed, *, strict: bool = False):
-  """``closed`` (a `ClosedJaxpr`) with every narrow matmul accumulating in f32."""
-  return _Rewriter(strict).closed(closed)
+def rewrite(closed, *, strict: bool = False, islands: bool = True):
+  """``closed`` (a `ClosedJaxpr`) with every narrow matmul accumulating in f32.
+
+  With ``islands``, float32 stretches of the narrow computation (norms) are
+  also recomputed in the backward pass rather than saved (`_islands`).
+  """
+  return _Rewriter(strict, islands).closed(closed)
 
 
 def accumulate(fun: Callable[..., Any], *, strict: bool = False,
-               cache: bool = True) -> Callable[..., Any]:
+               cache: bool = True, islands: bool = True) -> Callable[..., Any]:
   """``fun`` with every narrow matmul accumulating in float32, everywhere.
 
   Array leaves of the arguments are traced; other leaves (flags, names) are
@@ -221,7 +253,8 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
       return arrays
 
     closed = jax.make_jaxpr(split_out)(*dynamic)
-    arrays = iter(jex.core.jaxpr_as_fun(rewrite(closed, strict=strict))(
+    arrays = iter(jex.core.jaxpr_as_fun(rewrite(
+        closed, strict=strict, islands=islands))(
         *dynamic))
     out_tree, n = static_out.pop("tree")
     out = [static_out[i] if i in static_out else next(arrays) for i in range(n)]

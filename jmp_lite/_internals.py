@@ -97,6 +97,11 @@ def replace_eqns(jaxpr, eqns):
   return jaxpr.replace(eqns=eqns)
 
 
+def rewire(eqn, invars, outvars):
+  """``eqn`` reading ``invars`` and writing ``outvars`` (same avals)."""
+  return eqn.replace(invars=list(invars), outvars=list(outvars))
+
+
 def closed(jaxpr, consts):
   return core.ClosedJaxpr(jaxpr, consts)
 
@@ -223,6 +228,10 @@ def user_frames(eqn):
 JVP_THUNK = ("custom_jvp_call", "jvp_jaxpr_fun")
 FWD_THUNK = ("custom_vjp_call", "fwd_jaxpr_thunk")
 BWD_FUN = ("custom_vjp_call", "bwd")
+# remat2 (`jax.checkpoint`, `nn.remat`, `nnx.remat`): `policy(prim, *avals,
+# **params) -> bool | Saveable | Offloadable`, or None. JAX's own policies test
+# `prim is dot_general_p` (`DotsSaveable` in jax/_src/ad_checkpoint.py).
+REMAT_POLICY = ("remat2", "policy")
 
 # Primitives that carry jaxprs or functions in their params, as of the
 # installed JAX. The rewrite handles a jaxpr in any primitive's params
