@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -26,7 +27,10 @@ def default_rules(policy: Policy | str) -> dict[type, Policy]:
 
   Normalisation layers keep parameters and statistics in float32, compute in
   float32 and, like every inner module, hand their outputs back in their
-  caller's compute dtype (Haiku's ResNet example does this by hand).
+  caller's compute dtype (Haiku's ResNet example does this by hand). These
+  are Flax's own norm classes; with the defaults on, a model's own norm
+  classes get the same policy by their name (`is_norm_class`: ending in
+  ``Norm`` or ``Normalization``) unless a rule of the user's matches them.
 
   Example:
     >>> import flax.linen as nn
@@ -34,9 +38,23 @@ def default_rules(policy: Policy | str) -> dict[type, Policy]:
     >>> str(jmp_lite.flax.default_rules("p=f32,c=bf16,o=f32")[nn.LayerNorm])
     'p=f32,c=f32,o=f32'
   """
-  policy = get_policy(policy)
-  norm = Policy(np.float32, np.float32, policy.output_dtype)
+  norm = _norm_policy(get_policy(policy))
   return {cls: norm for cls in _NORM_CLASSES}
+
+
+def _norm_policy(policy: Policy) -> Policy:
+  return Policy(np.float32, np.float32, policy.output_dtype)
+
+
+def is_norm_class(cls: type) -> bool:
+  """Whether a module class is a normalisation layer by its name.
+
+  A class (or a base class) whose name ends in ``Norm`` or
+  ``Normalization``: ``RMSNorm``, ``T5LayerNorm``, ``ScaleNorm``,
+  ``BatchNormalization``, written in a model's own file.
+  """
+  return any(c.__name__.endswith(("Norm", "Normalization"))
+             for c in cls.__mro__)
 
 
 # Rules ------------------------------------------------------------------------
@@ -49,9 +67,12 @@ class Rules:
   policy: Policy
   classes: tuple[tuple[type, Policy], ...]
   paths: tuple[tuple[re.Pattern, int, Policy], ...]  # (pattern, rank, policy)
+  module_dtypes: bool = False  # whether modules' own dtype fields win
+  norm: Policy | None = None  # for user norm classes (`is_norm_class`)
 
   @classmethod
-  def create(cls, policy, rules, use_defaults: bool) -> "Rules":
+  def create(cls, policy, rules, use_defaults: bool,
+             module_dtypes: bool = False) -> "Rules":
     policy = to_policy(policy, "policy")
     if rules is None:
       rules = {}
@@ -82,7 +103,12 @@ class Rules:
             f"Rule key {key!r} ({type(key).__name__}) must be a module class or "
             "a regular expression over module paths, e.g. nn.LayerNorm or "
             "'encoder/.*/attention'.")
-    return cls(policy, tuple(classes.items()), tuple(paths))
+    if not isinstance(module_dtypes, bool):
+      raise TypeError(
+          f"module_dtypes must be True or False, got {module_dtypes!r}.")
+    norm = _norm_policy(policy) if use_defaults else None
+    return cls(policy, tuple(classes.items()), tuple(paths), module_dtypes,
+               norm)
 
   def resolve(self, module_type: type, path: str) -> Policy:
     """The policy of the most specific rule matching (see module docstring)."""
@@ -96,6 +122,8 @@ class Rules:
     matches = [(mro.index(c), p) for c, p in self.classes if c in mro]
     if matches:
       return min(matches, key=lambda m: m[0])[1]
+    if self.norm is not None and is_norm_class(module_type):
+      return self.norm
     return self.policy
 
 
@@ -125,3 +153,65 @@ def needs_rewrite(rules: Rules) -> bool:
   policies = [rules.policy, *(p for _, p in rules.classes),
               *(p for _, _, p in rules.paths)]
   return any(is_narrow_float(p.compute_dtype) for p in policies)
+
+
+def keep_carry(args, out):
+  """``out`` with its carry back in the dtypes the carry came in.
+
+  Flax's recurrences (``nn.scan``, ``nn.RNN`` and its cells, ``nnx.scan``,
+  ``nnx.RNN``) call a module as ``(carry, x) -> (carry, y)``, and a scan
+  needs the carry it returns to have the type it was given. A carry the
+  model creates in float32 (``initialize_carry`` makes zeros in
+  ``param_dtype``) is computed on in the module's compute dtype, then handed
+  back in float32, as Flax's own bf16 cells keep it: the recurrent state
+  accumulates in the dtype the model wrote it in. When ``out[0]`` has the
+  tree structure and shapes of ``args[0]``, its floating leaves take
+  ``args[0]``'s dtypes; anything else is returned as it is.
+  """
+  if not args or not isinstance(out, (tuple, list)) or not out:
+    return out
+  carry, new = args[0], out[0]
+  leaves, tree = jax.tree.flatten(carry)
+  new_leaves, new_tree = jax.tree.flatten(new)
+  if tree != new_tree or not all(
+      np.shape(a) == np.shape(b) for a, b in zip(leaves, new_leaves)):
+    return out
+  restored = jax.tree.unflatten(tree, [
+      b.astype(a.dtype) if _floating(a) and _floating(b)
+      and a.dtype != b.dtype else b for a, b in zip(leaves, new_leaves)])
+  items = (restored, *out[1:])
+  return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+
+
+def _floating(x) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+# The fields Flax's layers (and models written in their style) take their
+# dtypes from: `promote_dtype(..., dtype=self.dtype)` in every layer, and
+# `param_dtype` in every initializer (and `initialize_carry`).
+_DTYPE_FIELDS = (("dtype", "compute_dtype"), ("param_dtype", "param_dtype"))
+
+
+def dtype_overrides(module, policy: Policy, names) -> dict:
+  """The policy's dtypes for ``module``'s dtype fields, by field name.
+
+  Only fields the module has (``names``) and that hold ``None`` or a floating
+  dtype: a field named ``dtype`` that holds an integer dtype (an index, a
+  token id) is something else and keeps its value.
+  """
+  out = {}
+  for field, attr in _DTYPE_FIELDS:
+    if field not in names:
+      continue
+    value = getattr(module, field, None)
+    if value is None or _floating_dtype(value):
+      out[field] = np.dtype(getattr(policy, attr))
+  return out
+
+
+def _floating_dtype(value) -> bool:
+  try:
+    return bool(jnp.issubdtype(np.dtype(value), jnp.floating))
+  except TypeError:
+    return False

@@ -18,6 +18,8 @@ from flax import nnx
 
 from jmp_lite import _engine
 from jmp_lite._flax_rules import Rules
+from jmp_lite._flax_rules import dtype_overrides
+from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
 from jmp_lite._flax_rules import path_str
 from jmp_lite.policy import Policy
@@ -33,13 +35,15 @@ def _casting_class(cls: type) -> type:
   def __call__(self, *args, **kwargs):
     policy, stack = self._jmp_lite_policy, self._jmp_lite_stack
     caller = stack[-1] if stack else None
+    given = args
     args, kwargs = policy.cast_to_compute((args, kwargs))
     stack.append(policy)
     try:
       out = cls.__call__(self, *args, **kwargs)
     finally:
       stack.pop()
-    return caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+    out = caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+    return keep_carry(given, out)
 
   return type(cls.__name__, (cls,), {"__call__": __call__,
                                      "__module__": cls.__module__,
@@ -50,13 +54,19 @@ class NnxWrapper(nnx.Module):
   """An NNX model run under a policy. Build it with `wrap`."""
 
   def __init__(self, module: nnx.Module, rules: Rules):
+    policies = _policies(rules, module)
+    if any(_converts(policies, path, variable)
+           for path, variable in nnx.iter_graph(module)):
+      # The caller's model is never changed: parameters stored in another
+      # dtype than the policy's are converted in a copy, which the wrapper
+      # holds (and trains).
+      module = nnx.clone(module)
+      for path, variable in nnx.iter_graph(module):
+        if _converts(policies, path, variable):
+          variable.set_value(_owner(policies, path).cast_to_param(
+              variable.get_value()))
     self.module = module
     self.rules = rules
-    policies = self._policies(module)
-    for path, variable in nnx.iter_graph(module):
-      if isinstance(variable, nnx.Param):
-        owner = _owner(policies, path)
-        variable.set_value(owner.cast_to_param(variable.get_value()))
 
   def _policies(self, module) -> dict[tuple, Policy]:
     return _policies(self.rules, module)
@@ -103,7 +113,11 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
       policy = _owner(policies, path)
       node.set_value(policy.cast_to_compute(node.get_value()))
     elif isinstance(node, nnx.Module):
-      object.__setattr__(node, "_jmp_lite_policy", policies[tuple(path)])
+      policy = policies[tuple(path)]
+      if not rules.module_dtypes:
+        for field, dtype in dtype_overrides(node, policy, vars(node)).items():
+          object.__setattr__(node, field, dtype)
+      object.__setattr__(node, "_jmp_lite_policy", policy)
       object.__setattr__(node, "_jmp_lite_stack", stack)
       if type(node).__call__ is not nnx.Module.__call__:
         object.__setattr__(node, "__class__", _casting_class(type(node)))
@@ -128,3 +142,13 @@ def _owner(policies: dict[tuple, Policy], path) -> Policy:
     if path[:n] in policies:
       return policies[path[:n]]
   raise AssertionError(f"No module owns {path}.")
+
+
+
+def _converts(policies, path, variable) -> bool:
+  """Whether ``variable`` is a floating `nnx.Param` not in its ``param_dtype``."""
+  if not isinstance(variable, nnx.Param):
+    return False
+  dtype = getattr(variable.get_value(), "dtype", None)
+  return (dtype is not None and np.issubdtype(dtype, np.floating)
+          and np.dtype(dtype) != np.dtype(_owner(policies, path).param_dtype))

@@ -45,6 +45,15 @@ Design. The policy lives in the wrapper, never in a registry:
   whole call, with float32 parameters: matmuls in bfloat16 accumulating in
   float32, exp/log/normalisation in float32.
 
+Dtypes. The policy is the authority: under `wrap`, a module's ``dtype`` and
+``param_dtype`` fields (Linen dataclass fields, NNX attributes) that hold
+``None`` or a floating dtype are replaced by the policy's compute and parameter
+dtypes for that module, whatever the model's code passed
+(``module_dtypes=True`` keeps the model's own). A carry (``(carry, x) ->
+(carry, y)``, the form of ``nn.scan`` bodies and RNN cells) comes back in the
+dtypes it came in, so a scan whose carry the model makes in float32 keeps it
+in float32, as Flax's own bf16 cells do.
+
 Rules. ``rules`` maps keys to policies (a `Policy` or a string for
 `get_policy`). A key is a module class (matches its instances and its
 subclasses' instances) or a regular expression matched with `re.fullmatch`
@@ -64,6 +73,7 @@ rule matches use ``policy``. `policy_map` lists the outcome.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Optional
@@ -77,6 +87,8 @@ from flax.core.scope import Scope
 from jmp_lite import _engine
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import default_rules
+from jmp_lite._flax_rules import dtype_overrides
+from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
 from jmp_lite._flax_rules import path_str
 from jmp_lite._nnx import NnxWrapper
@@ -143,6 +155,7 @@ class _LinenInterceptor:
     policy = self.rules.resolve(type(module), path)
     if self.record is not None:
       self.record.setdefault(path, policy)
+    given = args
     args, kwargs = policy.cast_to_compute((args, kwargs))
     method = getattr(type(module), context.method_name, None)
     self.stack.append(policy)
@@ -150,12 +163,23 @@ class _LinenInterceptor:
       if method is None:  # a function passed as `method=`: cast only.
         out = next_fun(*args, **kwargs)
       else:
+        # Not a deep clone: a submodule passed in as an attribute (a shared
+        # embedding, nn.RNN's cell) stays the model's, where its variables are.
         clone = module.clone(parent=_PolicyScope(module.scope, policy),
-                             _deep_clone=True)
+                             _deep_clone=False, **self.dtypes(module, policy))
         out = getattr(clone, context.method_name)(*args, **kwargs)
     finally:
       self.stack.pop()
-    return caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+    out = caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+    return keep_carry(given, out)
+
+
+  def dtypes(self, module, policy: Policy) -> dict:
+    """The policy's dtypes for the module's own ``dtype``/``param_dtype``."""
+    if self.rules.module_dtypes:
+      return {}
+    names = {f.name for f in dataclasses.fields(module)}
+    return dtype_overrides(module, policy, names)
 
 
 class _LinenWrapper(nn.Module):
@@ -212,7 +236,7 @@ def _linen_autocast(dtype, method: str):
 
 
 def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
-         default_rules: bool = True):
+         default_rules: bool = True, module_dtypes: bool = False):
   """Runs a Flax model under a mixed-precision policy, with no change to its code.
 
   See the module docstring for what the policy does and how rules are chosen.
@@ -223,11 +247,19 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
     rules: optional mapping from module classes or path regexes to policies
       (`Policy` or string), e.g. ``{"encoder/.*/attention": "f32"}``.
     default_rules: whether to add `default_rules` (normalisation in float32).
+    module_dtypes: whether a module's own ``dtype``/``param_dtype`` fields
+      (``nn.Dense(..., dtype=jnp.float32)``, a config's default) win over the
+      policy. By default the policy (or the module's rule) decides, as a
+      Keras mixed-precision policy overrides its layers' dtypes: published
+      models pass ``dtype=float32`` to every layer, and honouring it would
+      leave them in float32. To keep one module in float32, give it a rule.
 
   Returns:
     For Linen, a module with the same ``init``/``apply`` (variables keep the
-    model's layout). For NNX, a module calling ``module``; NNX parameters are
-    converted to ``param_dtype`` in place, the wrapper sharing them.
+    model's layout). For NNX, a module calling ``module``: it shares
+    ``module``'s parameters when they are stored in the policy's
+    ``param_dtype``; otherwise it holds a converted copy (`flax.nnx.clone`)
+    and ``module`` is left as it was. Train the wrapper.
 
   Raises:
     TypeError: if ``module`` is not a Flax module, or a rule key or policy has
@@ -245,7 +277,7 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
     >>> variables["params"]["kernel"].dtype, model.apply(variables, x).dtype
     (dtype('float32'), dtype('float32'))
   """
-  parsed = Rules.create(policy, rules, default_rules)
+  parsed = Rules.create(policy, rules, default_rules, module_dtypes)
   inner = [p for _, p in parsed.classes] + [p for _, _, p in parsed.paths]
   if any(p.autocast_dtype is not None for p in inner):
     # Op-level autocast rewrites the whole traced call; a module's share of

@@ -39,9 +39,10 @@ Compilation: a wrapped model's eager ``apply`` (Linen) or call (NNX) compiles
 on its first call only (`jmp_lite.testing.count_compilations`, i.e.
 ``jax.monitoring`` backend-compile events).
 
-Two Linen cases are strict xfails, each a jmp_lite bug: ``nn.RNN`` with the
-carry it makes itself, and the variable layout of a submodule passed to
-another module as an attribute (see their reasons).
+Two Linen cases were jmp_lite bugs, fixed: ``nn.RNN`` with the carry it makes
+itself (a carry comes back in the dtypes it came in), and the variable layout
+of a submodule passed to another module as an attribute (the interceptor's
+clone is not deep).
 """
 
 import functools
@@ -263,11 +264,9 @@ class LinenVmap(nn.Module):
 
 
 class LinenLSTM(nn.Module):
-  """``nn.RNN(nn.LSTMCell)``, built so that `wrap` can run it today.
+  """``nn.RNN(nn.LSTMCell)`` built in ``setup``, given its initial carry.
 
-  The cell is built in ``setup`` and the initial carry is passed in: see
-  `test_linen_rnn_default_carry` and `test_linen_adopted_submodule_layout`
-  for the plain ``nn.RNN(nn.LSTMCell(...))(x)`` of Flax's docs.
+  `test_linen_rnn_default_carry` runs it with the carry it makes itself.
   """
 
   def setup(self):
@@ -361,10 +360,9 @@ def test_linen_forward_and_grad(name):
 
 
 class _RNNDefaultCarry(nn.Module):
-  """``nn.RNN(nn.LSTMCell)`` making its own initial carry.
+  """``nn.RNN(nn.LSTMCell)`` making its own initial carry, built in ``setup``.
 
-  The cell is built in ``setup``: built inline, as Flax's docs do, it also
-  meets the layout bug of `test_linen_adopted_submodule_layout`.
+  (Built inline, as Flax's docs do: `tests/test_wrap_structure.py`.)
   """
 
   def setup(self):
@@ -374,15 +372,6 @@ class _RNNDefaultCarry(nn.Module):
     return self.rnn(x)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=TypeError,
-    reason="jmp_lite bug: under a bf16 policy nn.RNN(nn.LSTMCell(...)) fails "
-    "to trace unless given initial_carry. LSTMCell.initialize_carry is "
-    "@nowrap, so the interceptor never sees it and the carry is created in "
-    "float32 (param_dtype); the cell's __call__ is intercepted and its new "
-    "carry is cast to the caller's compute dtype (bf16), so lax.scan rejects "
-    "a float32 carry in, bfloat16 carry out. Any Linen lifted scan whose carry "
-    "is created in float32 inside the model fails the same way.")
 def test_linen_rnn_default_carry():
   model = _RNNDefaultCarry()
   wrapped = jmp_lite.flax.wrap(model, BF16)
@@ -408,17 +397,6 @@ class _Adopting(nn.Module):
     return _Apply(nn.Dense(3))(x)  # the Dense belongs to _Adopting: Dense_0
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="jmp_lite bug: wrap changes the variable layout of a Linen "
-    "submodule passed as an attribute to another module (nn.RNN's cell, "
-    "_Apply(nn.Dense(3))): Flax names it in the module that built it "
-    "(params/Dense_0, params/LSTMCell_0), the wrapped model names it under the "
-    "attribute (params/_Apply_0/inner, params/RNN_0/cell), with any policy, "
-    "'f32' included. _LinenInterceptor clones each module with "
-    "_deep_clone=True, which re-parents module-valued attributes under the "
-    "clone. The docs promise 'variables keep the model's layout'; checkpoints "
-    "of the unwrapped model do not load.")
 def test_linen_adopted_submodule_layout():
   x = jnp.ones((2, 4))
   for policy in ("f32", BF16):

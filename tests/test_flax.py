@@ -466,10 +466,11 @@ def test_nnx_f32_policy_is_bit_exact(name, jit):
   np.testing.assert_array_equal(call(wrapped, x), call(model, x))
 
 
-def test_nnx_param_dtype_is_applied_in_place():
+def test_nnx_param_dtype_is_applied_to_a_copy():
   model, wrapped, x = _nnx("mlp", "p=bf16,c=bf16,o=bf16")
-  assert model.dense1.kernel[...].dtype == BF
-  assert model.norm.scale[...].dtype == F32
+  assert wrapped.module.dense1.kernel[...].dtype == BF
+  assert wrapped.module.norm.scale[...].dtype == F32
+  assert model.dense1.kernel[...].dtype == F32  # the caller's, untouched
   assert wrapped(x).dtype == BF
 
 

@@ -1,0 +1,271 @@
+"""`wrap` on models written the way published Flax models are.
+
+The oracle is the unwrapped model run by Flax itself: the same variable tree
+(collections, paths, shapes) from ``init``, variables that load both ways,
+bit-identical outputs under a float32 policy, and, under half-precision
+policies, every matmul bf16/f16 x bf16/f16 -> float32 (`jmp_lite.audit`), the
+policy overriding the layers' own ``dtype=jnp.float32``.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_lite
+import jmp_lite.flax
+
+POLICIES = ("f32", "p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32")
+HALF = {"p=f32,c=bf16,o=f32": "bf16", "p=f32,c=f16,o=f32": "f16"}
+
+
+class Config:
+  """A model config whose dtype defaults to float32, as published ones do."""
+  dtype = jnp.float32
+  vocab = 32
+  width = 16
+
+
+class Encoder(nn.Module):
+  embed: nn.Module
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    return nn.Dense(Config.width, dtype=Config.dtype)(x)
+
+
+class Decoder(nn.Module):
+  embed: nn.Module
+
+  @nn.compact
+  def __call__(self, memory, tokens):
+    x = self.embed(tokens) + jnp.mean(memory, axis=1, keepdims=True)
+    x = nn.LayerNorm(dtype=Config.dtype)(x)
+    return self.embed.attend(nn.Dense(Config.width, dtype=Config.dtype)(x))
+
+
+class Seq2Seq(nn.Module):
+  """An embedding built in ``setup``, shared by encoder and decoder, tied out."""
+
+  def setup(self):
+    self.shared = nn.Embed(Config.vocab, Config.width, dtype=Config.dtype)
+    self.encoder = Encoder(self.shared)
+    self.decoder = Decoder(self.shared)
+
+  def __call__(self, src, tgt):
+    return self.decoder(self.encoder(src), tgt)
+
+
+class Adopting(nn.Module):
+  """A Dense built in one module and called by another it is passed to."""
+
+  @nn.compact
+  def __call__(self, x):
+    return _Apply(nn.Dense(3, dtype=Config.dtype))(x)
+
+
+class _Apply(nn.Module):
+  inner: nn.Module
+
+  @nn.compact
+  def __call__(self, x):
+    return self.inner(x)
+
+
+class LSTM(nn.Module):
+  """``nn.RNN(nn.LSTMCell(...))`` as Flax's docs write it: its own carry."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.RNN(nn.LSTMCell(8))(x)[:, -1])
+
+
+class GRU(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.RNN(nn.GRUCell(8))(x)[:, -1])
+
+
+_TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, Config.vocab, (2, 6)),
+                      jnp.int32)
+_SEQ = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, 3)), jnp.float32)
+MODELS = {
+    "seq2seq": (Seq2Seq, (_TOKENS, _TOKENS[:, :4])),
+    "adopting": (Adopting, (_SEQ[:, 0],)),
+    "lstm": (LSTM, (_SEQ,)),
+    "gru": (GRU, (_SEQ,)),
+}
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda a: (a.shape, np.dtype(a.dtype)), tree)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", MODELS)
+def test_variables_are_the_models_both_ways(name, policy):
+  cls, args = MODELS[name]
+  model = cls()
+  wrapped = jmp_lite.flax.wrap(model, policy)
+  key = jax.random.key(0)
+  mine, theirs = wrapped.init(key, *args), model.init(key, *args)
+  assert _shapes(mine) == _shapes(theirs)
+  # Same initial values: the parameter policy is float32.
+  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+    np.testing.assert_array_equal(a, b)
+  out = jax.jit(wrapped.apply)(theirs, *args)
+  ref = jax.jit(model.apply)(theirs, *args)
+  assert out.dtype == ref.dtype == jnp.float32
+  if policy == "f32":
+    np.testing.assert_array_equal(out, ref)
+  else:
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert err < 2e-2, err
+  np.testing.assert_array_equal(jax.jit(model.apply)(mine, *args), ref)
+
+
+def test_a_shared_embedding_stays_one_embedding():
+  model = jmp_lite.flax.wrap(Seq2Seq(), "p=f32,c=bf16,o=f32")
+  variables = model.init(jax.random.key(0), *MODELS["seq2seq"][1])
+  embeddings = [path for path, _ in jax.tree_util.tree_flatten_with_path(
+      variables)[0] if "embedding" in jax.tree_util.keystr(path)]
+  assert len(embeddings) == 1, embeddings
+  grads = jax.grad(lambda v: jnp.sum(model.apply(v, *MODELS["seq2seq"][1])))(
+      variables)
+  # The one embedding gets the gradient of all three uses.
+  assert float(jnp.abs(grads["params"]["shared"]["embedding"]).sum()) > 0
+
+
+@pytest.mark.parametrize("policy", list(HALF))
+@pytest.mark.parametrize("name", MODELS)
+def test_policy_overrides_layers_float32_dtype(name, policy):
+  cls, args = MODELS[name]
+  model = cls()
+  variables = model.init(jax.random.key(0), *args)
+  half = HALF[policy]
+
+  def audit(**kwargs):
+    wrapped = jmp_lite.flax.wrap(model, policy, **kwargs)
+    return jmp_lite.audit(lambda v: wrapped.apply(v, *args), variables,
+                          policy=policy)
+
+  report = audit()
+  total = report.count(category="matmul")
+  assert total >= 1
+  assert report.count(category="matmul", operand_dtype=half,
+                      accumulation=jnp.float32) == total, str(report)
+  if name in ("seq2seq", "adopting"):
+    # Opting out: the layers' own dtype=float32 wins, as in plain Flax.
+    assert audit(module_dtypes=True).count(
+        category="matmul", operand_dtype=half) == 0
+
+
+def test_module_dtypes_must_be_a_bool():
+  with pytest.raises(TypeError, match="module_dtypes"):
+    jmp_lite.flax.wrap(nn.Dense(2), "f32", module_dtypes="yes")
+
+
+# NNX -------------------------------------------------------------------------
+
+
+class NnxMLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(4, 8, dtype=jnp.float32, rngs=rngs)
+    self.l2 = nnx.Linear(8, 2, dtype=jnp.float32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(nnx.gelu(self.l1(x)))
+
+
+def test_nnx_wrap_never_changes_the_callers_model():
+  model = NnxMLP(nnx.Rngs(0))
+  before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+  wrapped = jmp_lite.flax.wrap(model, "p=bf16,c=bf16,o=f32")
+  assert wrapped.module.l1.kernel.get_value().dtype == jnp.bfloat16
+  after = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+  assert jax.tree.all(jax.tree.map(
+      lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), before, after))
+  assert model.l1.dtype == jnp.float32  # attributes untouched too
+  # Re-wrapping in float32 sees the original weights, not bf16-rounded ones.
+  x = jnp.ones((3, 4))
+  np.testing.assert_array_equal(jmp_lite.flax.wrap(model, "f32")(x), model(x))
+  # A wrapper whose policy stores the parameters as they are shares them.
+  assert jmp_lite.flax.wrap(model, "p=f32,c=bf16,o=f32").module is model
+
+
+def test_nnx_policy_overrides_layers_float32_dtype():
+  model = NnxMLP(nnx.Rngs(0))
+  x = jnp.ones((3, 4))
+  for kwargs, expected in (({}, 2), ({"module_dtypes": True}, 0)):
+    wrapped = jmp_lite.flax.wrap(model, "p=f32,c=bf16,o=f32", **kwargs)
+    graphdef, state = nnx.split(wrapped)
+    report = jmp_lite.audit(lambda s: nnx.merge(graphdef, s)(x), state,
+                            policy="p=f32,c=bf16,o=f32")
+    assert report.count(category="matmul", operand_dtype="bf16",
+                        accumulation=jnp.float32) == expected, str(report)
+
+
+def test_nnx_rnn_keeps_its_carry_dtype():
+  rnn = nnx.RNN(nnx.LSTMCell(3, 4, rngs=nnx.Rngs(0)))
+  out = jmp_lite.flax.wrap(rnn, "p=f32,c=bf16,o=f32")(_SEQ)
+  ref = rnn(_SEQ)
+  assert out.dtype == jnp.float32
+  assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 2e-2
+
+
+# Norms by role ---------------------------------------------------------------
+
+
+class T5LayerNorm(nn.Module):
+  """An RMSNorm written in a model's own file (T5's)."""
+  eps: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("weight", nn.initializers.ones, (x.shape[-1],))
+    h = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(h), -1, keepdims=True)
+    return scale * (h * jax.lax.rsqrt(var + self.eps)).astype(scale.dtype)
+
+
+class WithOwnNorm(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(T5LayerNorm()(nn.Dense(4)(x)))
+
+
+def test_a_models_own_norm_class_runs_in_float32():
+  x = jnp.ones((2, 3))
+  wrapped = jmp_lite.flax.wrap(WithOwnNorm(), "p=f32,c=bf16,o=f32")
+  policies = {k: str(v) for k, v in jmp_lite.flax.policy_map(wrapped, x).items()}
+  assert policies["T5LayerNorm_0"] == "p=f32,c=f32,o=f32", policies
+  assert policies["Dense_0"] == "p=f32,c=bf16,o=f32", policies
+  # A user rule wins over the role; no defaults, no role.
+  ruled = jmp_lite.flax.wrap(WithOwnNorm(), "p=f32,c=bf16,o=f32",
+                             rules={T5LayerNorm: "p=f32,c=bf16,o=f32"})
+  assert str(jmp_lite.flax.policy_map(ruled, x)["T5LayerNorm_0"]) == (
+      "p=f32,c=bf16,o=f32")
+  bare = jmp_lite.flax.wrap(WithOwnNorm(), "p=f32,c=bf16,o=f32",
+                            default_rules=False)
+  assert str(jmp_lite.flax.policy_map(bare, x)["T5LayerNorm_0"]) == (
+      "p=f32,c=bf16,o=f32")
+
+
+def test_nnx_own_norm_class_runs_in_float32():
+
+  class ScaleNorm(nnx.Module):
+
+    def __init__(self):
+      self.g = nnx.Param(jnp.ones(()))
+
+    def __call__(self, x):
+      return self.g * x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+  wrapped = jmp_lite.flax.wrap(ScaleNorm(), "p=f32,c=bf16,o=f32")
+  assert str(jmp_lite.flax.policy_map(wrapped)[""]) == "p=f32,c=f32,o=f32"
