@@ -156,8 +156,30 @@ def _materialize(x):
   return lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
 
 
+# The algorithm presets JAX lowers on CPU (`_handle_dot_precision` in
+# jax/_src/lax/lax.py refuses the others at lowering time).
+_CPU_PRESETS = frozenset({"DEFAULT", "F16_F16_F16", "F32_F32_F32",
+                          "F64_F64_F64", "BF16_BF16_F32", "BF16_BF16_F32_X3",
+                          "BF16_BF16_F32_X6"})
+
+
+def cpu_refuses(precision) -> bool:
+  """Whether XLA:CPU has no kernel for the dot algorithm ``precision`` names.
+
+  ``jax.nn.dot_product_attention`` asks for ``F16_F16_F32`` on float16
+  queries, so any float16 attention (NNX's, by default) fails to compile on
+  CPU: its fallback catches errors at trace time, not at lowering.
+  """
+  return (isinstance(precision, lax.DotAlgorithmPreset)
+          and precision.name not in _CPU_PRESETS)
+
+
 def _cpu_dot(lhs, rhs, *, out_dtype, dimension_numbers, precision,
              preferred_element_type, out_sharding):
+  if cpu_refuses(precision):
+    # F16_F16_F32 is what the default algorithm does with float16 operands and
+    # ``preferred_element_type=float32``; other platforms keep the preset.
+    precision = None
   lhs, rhs, dims = canonicalize(lhs, rhs, dimension_numbers)
   out = lax.dot_general(lhs, rhs, dims, precision=precision,
                         preferred_element_type=preferred_element_type,

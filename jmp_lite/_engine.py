@@ -64,6 +64,17 @@ def is_narrow_matmul(eqn) -> bool:
           and (pref is None or np.dtype(pref) == lhs))
 
 
+def _refused_on_cpu(eqn) -> bool:
+  """A half x half dot whose algorithm preset XLA:CPU cannot compile.
+
+  It accumulates wide already; the engine's primitive runs it with the
+  default algorithm on CPU and with the preset elsewhere.
+  """
+  return (eqn.primitive.name == "dot_general" and len(eqn.invars) == 2
+          and _accumulate.is_narrow_float(eqn.invars[0].aval.dtype)
+          and _accumulate.cpu_refuses(eqn.params.get("precision")))
+
+
 def _source(eqn) -> str:
   frames = _internals.user_frames(eqn)
   if not frames:
@@ -107,7 +118,7 @@ class _Rewriter:
 
   def eqn(self, eqn):
     name = eqn.primitive.name
-    if is_narrow_matmul(eqn):
+    if is_narrow_matmul(eqn) or _refused_on_cpu(eqn):
       out = np.dtype(eqn.outvars[0].aval.dtype)
       params = dict(eqn.params, preferred_element_type=_accumulate.F32,
                     out_dtype=out)

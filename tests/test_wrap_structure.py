@@ -269,3 +269,42 @@ def test_nnx_own_norm_class_runs_in_float32():
 
   wrapped = jmp_lite.flax.wrap(ScaleNorm(), "p=f32,c=bf16,o=f32")
   assert str(jmp_lite.flax.policy_map(wrapped)[""]) == "p=f32,c=f32,o=f32"
+
+
+# float16 on CPU --------------------------------------------------------------
+
+
+def test_nnx_attention_in_float16_compiles_on_cpu():
+  """`jax.nn.dot_product_attention` asks f16 logits for ``F16_F16_F32``.
+
+  XLA:CPU has no such algorithm and JAX's fallback only catches trace-time
+  errors, so plain Flax fails too (under `jax.jit`); the engine runs that dot
+  with the default algorithm on CPU, the same f16 x f16 -> f32 product.
+  """
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 16)),
+                  jnp.float32)
+  model = nnx.MultiHeadAttention(num_heads=2, in_features=16, qkv_features=16,
+                                 decode=False, rngs=nnx.Rngs(0))
+  f16_flax = nnx.MultiHeadAttention(num_heads=2, in_features=16,
+                                    qkv_features=16, decode=False,
+                                    dtype=jnp.float16, rngs=nnx.Rngs(0))
+  # JAX's attention calls `jnp.promote_types(float16, float32)`, which strict
+  # promotion (this suite's setting) refuses, with or without jmp_lite.
+  with jax.numpy_dtype_promotion("standard"):
+    with pytest.raises(ValueError, match="F16_F16_F32"):
+      nnx.jit(lambda m, x: m(x))(f16_flax, x)
+    wrapped = jmp_lite.flax.wrap(model, "p=f32,c=f16,o=f32")
+    ref = model(x)
+    out = wrapped(x)
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(wrapped)
+    ref_grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+  assert out.dtype == jnp.float32
+  assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 5e-3
+  got, want = (jax.tree.leaves(nnx.state(g, nnx.Param))
+               for g in (grads, ref_grads))
+  assert len(got) == len(want) and all(g.dtype == jnp.float32 for g in got)
+  # Over all leaves together: the key bias's exact gradient is zero (softmax
+  # ignores a shift of every logit), so its own relative error is noise.
+  diff = sum(float(jnp.sum((g - r) ** 2)) for g, r in zip(got, want))
+  norm = sum(float(jnp.sum(r ** 2)) for r in want)
+  assert (diff / norm) ** 0.5 < 1e-2
