@@ -75,8 +75,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -195,8 +196,18 @@ class _LinenWrapper(nn.Module):
     with nn.intercept_methods(_LinenInterceptor(self.rules, self.scope.path)):
       return self.module(*args, **kwargs)
 
+  def run_method(self, method, *args, **kwargs):
+    """The model's ``method`` (a name, or a function of the model) under the
+    rules: what ``apply(..., method=method)`` runs. A module method, so that
+    ``setup`` has shared the model's scope first."""
+    with nn.intercept_methods(_LinenInterceptor(self.rules, self.scope.path)):
+      if isinstance(method, str):
+        return getattr(self.module, method)(*args, **kwargs)
+      return method(self.module, *args, **kwargs)
+
   @nn.nowrap
   def init_with_output(self, rngs, *args, **kwargs):
+    kwargs = _forward_method(kwargs)
     dtype = self.rules.policy.autocast_dtype
     if dtype is not None:
       return _linen_autocast(np.dtype(dtype), "init_with_output")(
@@ -207,6 +218,7 @@ class _LinenWrapper(nn.Module):
 
   @nn.nowrap
   def apply(self, variables, *args, **kwargs):
+    kwargs = _forward_method(kwargs)
     dtype = self.rules.policy.autocast_dtype
     if dtype is not None:
       return _linen_autocast(np.dtype(dtype), "apply")(
@@ -214,6 +226,28 @@ class _LinenWrapper(nn.Module):
     if not needs_rewrite(self.rules):
       return super().apply(variables, *args, **kwargs)
     return _linen_apply(self, variables, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+  """``method=`` of the wrapped model, run under the wrapper's rules.
+
+  Frozen, so equal methods make equal cache keys for the engine.
+  """
+  method: Any  # a method name, or a function taking the model first
+
+  def __call__(self, wrapper, *args, **kwargs):
+    return wrapper.run_method(self.method, *args, **kwargs)
+
+
+def _forward_method(kwargs):
+  """Points ``init``/``apply``'s ``method=`` at the wrapped model's method."""
+  method = kwargs.get("method")
+  if method is None or method == "__call__" or isinstance(method, _Forward):
+    return kwargs
+  if inspect.ismethod(method) and isinstance(method.__self__, nn.Module):
+    method = method.__func__  # `model.encode`: the function, on our model
+  return {**kwargs, "method": _Forward(method)}
 
 
 # The engine's rewrite, cached per (wrapper, argument structure): the wrapper

@@ -16,6 +16,7 @@ from flax import nnx
 
 import jmp_lite
 import jmp_lite.flax
+import jmp_lite.testing
 
 POLICIES = ("f32", "p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32")
 HALF = {"p=f32,c=bf16,o=f32": "bf16", "p=f32,c=f16,o=f32": "f16"}
@@ -308,3 +309,47 @@ def test_nnx_attention_in_float16_compiles_on_cpu():
   diff = sum(float(jnp.sum((g - r) ** 2)) for g, r in zip(got, want))
   norm = sum(float(jnp.sum(r ** 2)) for r in want)
   assert (diff / norm) ** 0.5 < 1e-2
+
+
+# apply(method=...) -----------------------------------------------------------
+
+
+class AutoEncoder(nn.Module):
+
+  def setup(self):
+    self.enc = nn.Dense(4, dtype=Config.dtype)
+    self.dec = nn.Dense(8, dtype=Config.dtype)
+
+  def encode(self, x):
+    return self.enc(x)
+
+  def __call__(self, x):
+    return self.dec(self.encode(x))
+
+
+@pytest.mark.parametrize("policy", ("f32", "p=f32,c=bf16,o=f32", "O1"))
+def test_method_is_forwarded_to_the_model(policy):
+  model = AutoEncoder()
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 8)), jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+  want = model.apply(variables, x, method="encode")
+  wrapped = jmp_lite.flax.wrap(model, policy)
+  for method in ("encode", AutoEncoder.encode, model.encode):
+    got = wrapped.apply(variables, x, method=method)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    if policy == "f32":
+      np.testing.assert_array_equal(got, want)
+    else:
+      np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+  report = jmp_lite.audit(lambda v: wrapped.apply(v, x, method="encode"),
+                          variables, policy=policy)
+  assert report.count(category="matmul") == 1
+  assert report.count(category="matmul", operand_dtype="bf16") == (
+      0 if policy == "f32" else 1)
+  # init(method=...) makes what Flax makes: the encoder's variables only.
+  assert _shapes(wrapped.init(jax.random.key(0), x, method="encode")) == (
+      _shapes(model.init(jax.random.key(0), x, method="encode")))
+  # Eager calls with the same method reuse one compiled step.
+  with jmp_lite.testing.count_compilations() as compiled:
+    wrapped.apply(variables, x, method="encode")
+  assert not compiled
