@@ -31,18 +31,19 @@ import numpy as np
 from jmp_lite import _accumulate
 from jmp_lite import _internals
 
-# First-order primitives whose work XLA fuses: recomputing them costs a pass
-# over memory, not a matmul.
+# Linear first-order primitives: autodiff keeps nothing of them.
 _LINEAR = frozenset({
     "convert_element_type", "reshape", "broadcast_in_dim", "transpose",
     "squeeze", "expand_dims", "reduce_sum", "add", "sub", "neg", "copy",
-    "copy_p", "reduce_precision"})
+    "reduce_precision"})
+# First-order primitives whose work XLA fuses: recomputing them in the
+# backward pass costs a pass over memory, not a matmul.
 _CHEAP = _LINEAR | frozenset({
     "mul", "div", "max", "min", "abs", "sign", "square", "sqrt", "rsqrt",
     "cbrt", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf",
     "pow", "integer_pow", "sin", "cos", "select_n", "clamp", "reduce_max",
     "reduce_min", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
-    "is_finite", "stop_gradient"})
+    "is_finite"})
 
 
 def _is_wide(aval) -> bool:
@@ -59,10 +60,12 @@ def _is_upcast(eqn) -> bool:
 
 def _linear(eqn) -> bool:
   """Whether autodiff keeps nothing of ``eqn`` for the backward pass."""
-  name = eqn.primitive.name
-  return name in _LINEAR or (name in ("mul", "div") and isinstance(
-      eqn.invars[-1 if name == "div" else 0 if isinstance(
-          eqn.invars[0], jex.core.Literal) else 1], jex.core.Literal))
+  name, literal = eqn.primitive.name, jex.core.Literal
+  if name == "mul":  # by a constant
+    return any(isinstance(v, literal) for v in eqn.invars)
+  if name == "div":  # by a constant
+    return isinstance(eqn.invars[1], literal)
+  return name in _LINEAR
 
 
 def _plain(aval) -> bool:
