@@ -353,3 +353,29 @@ def test_method_is_forwarded_to_the_model(policy):
   with jmp_lite.testing.count_compilations() as compiled:
     wrapped.apply(variables, x, method="encode")
   assert not compiled
+
+
+class _SharedScope(nn.Module):
+  """A module that hands its scope to a child (`nn.share_scope`), as adapters
+  around a published backbone do: the child's variables sit at its level."""
+
+  def setup(self):
+    self.backbone = AutoEncoder()
+    nn.share_scope(self, self.backbone)
+
+  def __call__(self, x):
+    return self.backbone(x) * 2.0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_share_scope_keeps_the_layout(policy):
+  model = _SharedScope()
+  x = jnp.ones((2, 8))
+  wrapped = jmp_lite.flax.wrap(model, policy)
+  mine, theirs = (m.init(jax.random.key(0), x) for m in (wrapped, model))
+  assert _shapes(mine) == _shapes(theirs)
+  assert set(theirs["params"]) == {"enc", "dec"}
+  out, ref = wrapped.apply(theirs, x), model.apply(theirs, x)
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(out, ref, rtol=0 if policy == "f32" else 2e-2,
+                             atol=0 if policy == "f32" else 2e-2)
