@@ -311,10 +311,18 @@ _KEYS = {
 }
 
 
+_PRESET_HALF = {"": jnp.bfloat16, "-bf16": jnp.bfloat16, "-f16": jnp.float16}
+
+
 def _preset(name: str) -> Optional[Policy]:
   f32 = np.dtype(np.float32)
-  if name in ("o0", "o1", "o2", "o3"):
-    half = preferred_half_dtype()
+  level, suffix = name[:2], name[2:]
+  if level in ("o0", "o1", "o2", "o3") and suffix in _PRESET_HALF:
+    # Not `preferred_half_dtype()`: asking for devices initialises a backend,
+    # and a policy parsed at import time would then break a later
+    # `jax.distributed.initialize()`. Pre-Ampere GPUs, which lack bfloat16
+    # arithmetic, spell "O2-f16".
+    half = np.dtype(_PRESET_HALF[suffix])
     return {
         # Everything in float32.
         "o0": Policy(f32, f32, f32),
@@ -324,7 +332,7 @@ def _preset(name: str) -> Optional[Policy]:
         "o2": Policy(f32, half, f32),
         # Everything in half precision.
         "o3": Policy(half, half, half),
-    }[name]
+    }[level]
   # Keras' mixed policies: float32 variables, compute and layer outputs in half.
   if name == "mixed_bfloat16":
     return Policy(f32, jnp.bfloat16, jnp.bfloat16)
@@ -349,8 +357,10 @@ def get_policy(policy_name: str | Policy) -> Policy:
     ``autocast``/``a``. Params default to float32, compute follows params,
     output follows compute, reduce is float32 (``"c=bf16"`` is
     ``"p=f32,c=bf16,o=bf16"``). A key given twice is an error;
-  * a preset. ``half`` below is `preferred_half_dtype` (bfloat16 except on
-    GPUs older than Ampere):
+  * a preset. ``half`` below is bfloat16, or what a suffix says:
+    ``"O2-bf16"``, ``"O2-f16"`` (float16 for GPUs older than Ampere, which
+    lack bfloat16 arithmetic). Parsing a preset never touches a device, so
+    it can run before ``jax.distributed.initialize()``:
 
     =================  ==========================================  ===================
     preset             policy                                      mirrors

@@ -119,7 +119,7 @@ def test_without_autocast_matmuls_are_f32(params, x):
 
 @pytest.mark.parametrize("policy, dtype", [
     (jnp.bfloat16, BF16), (jnp.float16, F16), ("bf16", BF16),
-    ("O1", jmp_lite.preferred_half_dtype()), ("p=f32,c=f16,o=f32", F16),
+    ("O1", BF16), ("O1-f16", F16), ("p=f32,c=f16,o=f32", F16),
     (jmp_lite.Policy(F32, F32, F32, autocast_dtype=F16), F16),
     (jmp_lite.Policy(F32, BF16, F32), BF16),
 ])

@@ -2,7 +2,10 @@
 
 import contextlib
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 from typing import NamedTuple
 
 import flax.core
@@ -394,7 +397,7 @@ def test_get_policy_almost_dtype_like_jmp():
 
 
 def test_presets_map_as_documented():
-  half = jmp_lite.preferred_half_dtype()
+  half = BF16
   expected = {
       "O0": jmp_lite.Policy(F32, F32, F32),
       "O1": jmp_lite.Policy(F32, F32, F32, autocast_dtype=half),
@@ -408,6 +411,32 @@ def test_presets_map_as_documented():
       assert jmp_lite.get_policy(spelling) == policy, spelling
     assert jmp_lite.get_policy(str(policy)) == policy
   assert jmp_lite.get_policy("O1").autocast_dtype == half
+  for level in ("O1", "O2", "O3"):
+    assert jmp_lite.get_policy(f"{level}-bf16") == jmp_lite.get_policy(level)
+  assert jmp_lite.get_policy("o2-F16") == jmp_lite.Policy(F32, F16, F32)
+  assert jmp_lite.get_policy("O3-f16") == jmp_lite.Policy(F16, F16, F16)
+  assert jmp_lite.get_policy("O1-f16").autocast_dtype == F16
+  with pytest.raises(ValueError, match="o2-f8"):
+    jmp_lite.get_policy("O2-f8")
+
+
+def test_parsing_a_preset_initialises_no_backend():
+  """A policy parsed at import time must not break a later
+  `jax.distributed.initialize()`: in a fresh process, parsing every preset
+  leaves JAX's backends uninitialised."""
+  # A platform that does not exist: initialising any backend raises.
+  code = (
+      "import jax, jmp_lite, jmp_lite.policy\n"
+      "for name in jmp_lite.policy.PRESETS + ('O2-f16', 'O1-bf16'):\n"
+      "  jmp_lite.get_policy(name)\n"
+      "try:\n"
+      "  jax.devices()\n"
+      "except RuntimeError:\n"
+      "  print('ok')\n")
+  env = dict(os.environ, JAX_PLATFORMS="no_such_platform")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=120, env=env)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
   # The docstring's table says the same.
   doc = jmp_lite.get_policy.__doc__
   for row in ("``O0``             ``p=f32,c=f32,o=f32``",
