@@ -29,6 +29,7 @@ from jmp_lite.policy import preferred_half_dtype
 _LAZY_MODULES = ("distributed", "flax", "optax", "testing")
 _LAZY_NAMES = {
     "audit": "auditing",
+    "AuditReport": "auditing",
     "autocast": "autocasting",
     "StepInfo": "training",
     "TrainState": "training",
@@ -57,6 +58,7 @@ __version__ = "0.1.0"
 __all__ = (
     "all_finite",
     "audit",
+    "AuditReport",
     "autocast",
     "UncoveredMatmulError",
     "UncoveredMatmulWarning",

@@ -12,7 +12,7 @@ import optax
 
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._unscale import apply_updates
-from jmp_lite.policy import is_inexact
+from jmp_lite._dtypes import is_inexact
 
 
 def grads_match_params(grads: Any, params: Any) -> None:

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import loss_scale as ls_lib
-from jmp_lite.policy import is_floating
-from jmp_lite.policy import is_inexact
-from jmp_lite.policy import is_low_bit_float
-from jmp_lite.policy import wide_dtype
+from jmp_lite._dtypes import is_floating
+from jmp_lite._dtypes import is_inexact
+from jmp_lite._dtypes import is_low_bit_float
+from jmp_lite._dtypes import wide_dtype
 
 
 def is_scaled(x: Any) -> bool:

@@ -37,8 +37,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite.loss_scale import check_axis_name
-from jmp_lite.policy import Policy, get_policy, is_floating, is_low_bit_float, wide_dtype
+from jmp_lite.loss_scale import _check_axis_name
+from jmp_lite._dtypes import is_floating
+from jmp_lite._dtypes import is_low_bit_float
+from jmp_lite._dtypes import wide_dtype
+from jmp_lite.policy import get_policy
+from jmp_lite.policy import Policy
+
+__all__ = (
+    "mark_varying",
+    "reduce_gradients",
+    "is_replicated_everywhere",
+    "AxisName",
+)
 
 T = TypeVar("T")
 AxisName = Union[str, Sequence[str]]
@@ -49,7 +60,7 @@ def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
   if axis_name is None:
     raise TypeError(f"{what}: axis_name must be a mesh axis name or a non-empty "
                     "tuple of them, got None.")
-  name = check_axis_name(axis_name, what)
+  name = _check_axis_name(axis_name, what)
   return (name,) if isinstance(name, str) else tuple(name)
 
 

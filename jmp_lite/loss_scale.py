@@ -22,9 +22,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _struct
-from jmp_lite.policy import is_inexact
-from jmp_lite.policy import is_low_bit_float
-from jmp_lite.policy import wide_dtype
+from jmp_lite._dtypes import is_inexact
+from jmp_lite._dtypes import is_low_bit_float
+from jmp_lite._dtypes import wide_dtype
+
+__all__ = (
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "DynamicLossScale",
+    "all_finite",
+    "select_tree",
+    "AxisName",
+)
 
 T = TypeVar("T")
 AxisName = Union[str, Sequence[str], None]
@@ -33,21 +43,21 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
-class FlagError(ValueError, AssertionError):
+class _FlagError(ValueError, AssertionError):
   """A predicate that is not a boolean scalar.
 
   A ValueError, and also an AssertionError because jmp raises one there.
   """
 
 
-def check_flag(flag: Any, what: str) -> jax.Array:
+def _check_flag(flag: Any, what: str) -> jax.Array:
   """Returns ``flag`` as a bool array, or raises if it is not a boolean scalar."""
   if isinstance(flag, (bool, np.bool_)):
     return jnp.asarray(flag)
   dtype = getattr(flag, "dtype", None)
   shape = getattr(flag, "shape", None)
   if shape != () or dtype != jnp.bool_:
-    raise FlagError(
+    raise _FlagError(
         f"{what}: expected boolean scalar, got {type(flag).__name__} with "
         f"shape={shape} dtype={dtype}: {flag!r}. Reduce it first, e.g. with "
         "jmp_lite.all_finite(grads).")
@@ -96,7 +106,7 @@ class NoOpLossScale:
     return tree
 
   def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
-    check_flag(grads_finite, "NoOpLossScale.adjust(grads_finite)")
+    _check_flag(grads_finite, "NoOpLossScale.adjust(grads_finite)")
     return self
 
 
@@ -132,7 +142,7 @@ class StaticLossScale:
     return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
 
   def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
-    check_flag(grads_finite, "StaticLossScale.adjust(grads_finite)")
+    _check_flag(grads_finite, "StaticLossScale.adjust(grads_finite)")
     return self
 
 
@@ -278,7 +288,7 @@ class DynamicLossScale:
 
   def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
     """Returns the next state dependent on whether grads are finite."""
-    finite = check_flag(grads_finite, "DynamicLossScale.adjust(grads_finite)")
+    finite = _check_flag(grads_finite, "DynamicLossScale.adjust(grads_finite)")
     scale = self.loss_scale.astype(jnp.float32)
     grown = scale * self.factor
     grown = jnp.where(jnp.isfinite(grown),
@@ -331,7 +341,7 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
     >>> bool(jmp_lite.all_finite({"a": jnp.ones(3), "b": jnp.array([jnp.nan])}))
     False
   """
-  axis_name = check_axis_name(axis_name, "all_finite")
+  axis_name = _check_axis_name(axis_name, "all_finite")
   # Python floats count, as in jmp (where `jnp.isfinite(float("nan"))` is False).
   leaves = [jnp.asarray(x) if isinstance(x, float) else x
             for x in jax.tree_util.tree_leaves(tree)]
@@ -367,11 +377,11 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
   """Selects a pytree based on the given predicate: ``a`` if ``pred`` else ``b``.
 
   Raises:
-    FlagError: (a ValueError) if ``pred`` is not a boolean scalar.
+    _FlagError: (a ValueError) if ``pred`` is not a boolean scalar.
     ValueError: if ``a`` and ``b`` differ in structure, or a leaf differs in
       shape or dtype (the message names its path).
   """
-  pred = check_flag(pred, "select_tree(pred)")
+  pred = _check_flag(pred, "select_tree(pred)")
   a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
   b_leaves, b_def = jax.tree_util.tree_flatten_with_path(b)
   if a_def != b_def:
@@ -395,7 +405,7 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
   return jax.tree_util.tree_unflatten(a_def, out)
 
 
-def check_axis_name(axis_name: AxisName, what: str) -> AxisName:
+def _check_axis_name(axis_name: AxisName, what: str) -> AxisName:
   """Returns ``axis_name`` (None, a name, or a tuple of names), or raises showing it."""
   if axis_name is None:
     return None

@@ -53,8 +53,8 @@ from jmp_lite import _checks
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._unscale import apply_updates
-from jmp_lite.policy import is_inexact
-from jmp_lite.policy import wide_dtype
+from jmp_lite._dtypes import is_inexact
+from jmp_lite._dtypes import wide_dtype
 from jmp_lite.rounding import KahanState
 from jmp_lite.rounding import StochasticRoundState
 from jmp_lite.rounding import kahan_summation
@@ -244,7 +244,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
       raise ValueError(
           f"with_loss_scale: clip_norm must be > 0 and finite, got {clip_norm!r}")
     clip_norm = float(clip_norm)
-  axis_name = ls_lib.check_axis_name(axis_name, "with_loss_scale")
+  axis_name = ls_lib._check_axis_name(axis_name, "with_loss_scale")
   if (isinstance(accumulate_steps, (bool, np.bool_))
       or not isinstance(accumulate_steps, (int, float, np.integer, np.floating))):
     raise TypeError(

@@ -45,8 +45,17 @@ import numpy as np
 import optax
 
 from jmp_lite.policy import DTypeLike
-from jmp_lite.policy import is_floating
-from jmp_lite.policy import wide_dtype
+from jmp_lite._dtypes import is_floating
+from jmp_lite._dtypes import wide_dtype
+
+__all__ = (
+    "stored_params",
+    "StochasticRoundState",
+    "stochastic_round",
+    "KahanState",
+    "kahan_summation",
+    "with_state_dtype",
+)
 
 
 def _is_low(p: Any) -> bool:

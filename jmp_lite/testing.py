@@ -23,7 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite.policy import is_floating
+from jmp_lite._dtypes import is_floating
+
+__all__ = (
+    "inject_nonfinite",
+    "count_compilations",
+    "assert_single_compile",
+)
 
 T = TypeVar("T")
 

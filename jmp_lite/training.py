@@ -26,6 +26,12 @@ from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
 from jmp_lite.policy import Policy, get_policy
 
+__all__ = (
+    "value_and_grad",
+    "StepInfo",
+    "TrainState",
+)
+
 ArgNums = Union[int, Sequence[int]]
 
 
@@ -131,7 +137,7 @@ def value_and_grad(
   """
   if policy is not None:
     policy = get_policy(policy)
-  axis_name = ls_lib.check_axis_name(axis_name, "value_and_grad")
+  axis_name = ls_lib._check_axis_name(axis_name, "value_and_grad")
 
   def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(), **kwargs):
     if not isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
@@ -219,7 +225,7 @@ class TrainState(flax.struct.PyTreeNode):
       params = policy.cast_to_param(params)
     if loss_scale is None:
       loss_scale = ls_lib.NoOpLossScale()
-    axis_name = ls_lib.check_axis_name(axis_name, "TrainState.create")
+    axis_name = ls_lib._check_axis_name(axis_name, "TrainState.create")
     tx = jo.with_loss_scale(tx, loss_scale, clip_norm=clip_norm,
                             accumulate_steps=accumulate_steps, axis_name=axis_name)
     return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params,

@@ -1,5 +1,6 @@
 """Tests of jmp_lite's public surface: __all__, and jmp 0.0.4's names."""
 
+import importlib
 import inspect
 
 import jax.numpy as jnp
@@ -135,3 +136,46 @@ def test_import_does_not_pull_in_flax_or_optax():
 
 def test_lazy_names_are_listed_by_dir():
   assert {"flax", "optax", "TrainState", "audit", "autocast"} <= set(dir(jmp_lite))
+
+
+PUBLIC_MODULES = {
+    "auditing": {"audit", "AuditReport", "AuditRow", "FLAGS", "HALF_MATMUL"},
+    "autocasting": {"autocast", "primitive_name"},
+    "distributed": {"mark_varying", "reduce_gradients",
+                    "is_replicated_everywhere", "AxisName"},
+    "flax": {"wrap", "policy_map", "default_rules"},
+    "loss_scale": {"LossScale", "NoOpLossScale", "StaticLossScale",
+                   "DynamicLossScale", "all_finite", "select_tree", "AxisName"},
+    "oplists": {"DEFAULT_WHITE_LIST", "DEFAULT_BLACK_LIST",
+                "MIN_REDUCTION_SIZE", "primitive_name"},
+    "optax": {"with_loss_scale", "apply_updates", "get_loss_scale",
+              "find_loss_scale_state", "LossScaleState", "NonFinite"},
+    "policy": {"Policy", "get_policy", "parse_dtype", "dtype_name",
+               "dtype_to_names", "name_to_dtype", "half_dtype",
+               "preferred_half_dtype", "cast_to_full", "cast_to_half",
+               "PRESETS"},
+    "rounding": {"stored_params", "StochasticRoundState", "stochastic_round",
+                 "KahanState", "kahan_summation", "with_state_dtype"},
+    "testing": {"inject_nonfinite", "count_compilations",
+                "assert_single_compile"},
+    "training": {"value_and_grad", "StepInfo", "TrainState"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_MODULES))
+def test_public_modules_pin_their_api(name):
+  """Each public module says what it exports, and exports what it defines.
+
+  A function or class defined in a public module without a leading
+  underscore is API: it must be in ``__all__``. Helpers shared between
+  modules live in private modules (`jmp_lite._dtypes`) or carry an
+  underscore. The pinned names catch an accidental removal.
+  """
+  module = importlib.import_module(f"jmp_lite.{name}")
+  exported = set(module.__all__)
+  assert PUBLIC_MODULES[name] <= exported, PUBLIC_MODULES[name] - exported
+  assert all(hasattr(module, n) for n in exported)
+  defined = {n for n, v in vars(module).items()
+             if not n.startswith("_") and (inspect.isfunction(v) or inspect.isclass(v))
+             and getattr(v, "__module__", None) == module.__name__}
+  assert defined <= exported, defined - exported
