@@ -354,7 +354,14 @@ def test_every_public_optax_transformation_is_in_the_matrix_or_skipped_with_a_re
       unclassified.append(name)
   assert not unclassified, f"add to the matrix or to _SKIP with a reason: {unclassified}"
   stale = sorted(n for n in [*_SKIP, *_OVERRIDES, *_NOT_TRANSFORMATIONS] if n not in seen)
-  assert not stale, f"no longer public in optax, remove: {stale}"
+  # The tables are written against optax 0.2.8; the declared minimum (0.2.5,
+  # .ci/constraints-min.txt) does not have some of their names yet.
+  if _version(optax.__version__) >= (0, 2, 8):
+    assert not stale, f"no longer public in optax, remove: {stale}"
+
+
+def _version(text: str) -> tuple[int, ...]:
+  return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
   assert all(reason for reason in _SKIP.values())
   # Spot check: the list really is built from optax.
   for name in ("optax.adam", "optax.lbfgs", "optax.nadamw", "optax.contrib.muon",
