@@ -207,25 +207,26 @@ class _LinenWrapper(nn.Module):
 
   @nn.nowrap
   def init_with_output(self, rngs, *args, **kwargs):
-    kwargs = _forward_method(kwargs)
-    dtype = self.rules.policy.autocast_dtype
-    if dtype is not None:
-      return _linen_autocast(np.dtype(dtype), "init_with_output")(
-          self, rngs, *args, **kwargs)
-    if not needs_rewrite(self.rules):
-      return super().init_with_output(rngs, *args, **kwargs)
-    return _linen_init(self, rngs, *args, **kwargs)
+    return self._run("init_with_output", rngs, *args, **kwargs)
 
   @nn.nowrap
   def apply(self, variables, *args, **kwargs):
+    return self._run("apply", variables, *args, **kwargs)
+
+  @nn.nowrap
+  def _run(self, entry: str, *args, **kwargs):
+    """`nn.Module`'s ``entry`` (``apply``...) of the wrapper: autocast whole
+    (O1), through the engine (a half compute dtype somewhere), or as it is.
+    (Not ``method``: that is the keyword ``apply`` forwards.)"""
     kwargs = _forward_method(kwargs)
     dtype = self.rules.policy.autocast_dtype
     if dtype is not None:
-      return _linen_autocast(np.dtype(dtype), "apply")(
-          self, variables, *args, **kwargs)
-    if not needs_rewrite(self.rules):
-      return super().apply(variables, *args, **kwargs)
-    return _linen_apply(self, variables, *args, **kwargs)
+      run = _linen_autocast(np.dtype(dtype), entry)
+    elif needs_rewrite(self.rules):
+      run = _ENGINE[entry]
+    else:
+      run = getattr(nn.Module, entry)
+    return run(self, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +257,7 @@ def _forward_method(kwargs):
 _linen_init = _engine.accumulate(
     lambda m, *a, **k: nn.Module.init_with_output(m, *a, **k))
 _linen_apply = _engine.accumulate(lambda m, *a, **k: nn.Module.apply(m, *a, **k))
+_ENGINE = {"init_with_output": _linen_init, "apply": _linen_apply}
 
 
 @functools.cache
