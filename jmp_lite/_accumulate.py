@@ -44,11 +44,6 @@ BASE = {dot_p: lax.dot_general_p, conv_p: lax.conv_general_dilated_p}
 BY_BASE = {base.name: p for p, base in BASE.items()}
 
 
-def is_narrow_float(dtype) -> bool:
-  dtype = np.dtype(dtype)
-  return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize <= 2
-
-
 def bind(base_name: str, lhs, rhs, params, out_dtype):
   """``base(lhs, rhs, **params)`` accumulating in float32, out in ``out_dtype``."""
   prim = BY_BASE[base_name]

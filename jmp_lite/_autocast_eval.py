@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from jmp_lite import _accumulate
+from jmp_lite import _dtypes
 from jmp_lite import _internals
 from jmp_lite.oplists import CUMULATIVE as _CUMULATIVE
 from jmp_lite.oplists import REDUCE_AXES as _REDUCE_AXES
@@ -140,7 +141,7 @@ def _white(eqn, invals, rules):
   accumulates = "preferred_element_type" in params
   name = eqn.primitive.name
   if (name in _accumulate.BY_BASE and len(vals) == 2
-      and _accumulate.is_narrow_float(rules.compute)):
+      and _dtypes.is_narrow_float(rules.compute)):
     # The engine's primitive: float32 accumulation here and in derivatives.
     out = _accumulate.bind(name, *vals, params, np.float32)
     return _Wide(out, rules.compute)
@@ -250,11 +251,16 @@ def _remat(eqn, invals, rules):
   return _bind(eqn, [*consts, *vals], dict(eqn.params, jaxpr=new.jaxpr))
 
 
-def _scan(eqn, invals, rules):
-  new, consts = _rewrite_closed(eqn.params["jaxpr"], rules)
-  params = dict(eqn.params, jaxpr=new,
-                num_consts=eqn.params["num_consts"] + len(consts))
-  return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
+def _with_consts(key):
+  """The handler of a primitive whose jaxpr ``params[key]`` takes its
+  ``num_consts`` constants first (``scan``, ``custom_jvp_call``): hoisted
+  constants of the rewritten jaxpr join them."""
+  def handler(eqn, invals, rules):
+    new, consts = _rewrite_closed(eqn.params[key], rules)
+    params = {**eqn.params, key: new,
+              "num_consts": eqn.params["num_consts"] + len(consts)}
+    return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
+  return handler
 
 
 def _while(eqn, invals, rules):
@@ -291,13 +297,6 @@ def _cond(eqn, invals, rules):
                dict(eqn.params, branches=tuple(branches)))
 
 
-def _custom_jvp(eqn, invals, rules):
-  new, consts = _rewrite_closed(eqn.params["call_jaxpr"], rules)
-  params = dict(eqn.params, call_jaxpr=new,
-                num_consts=eqn.params["num_consts"] + len(consts))
-  return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
-
-
 def _custom_vjp(eqn, invals, rules):
   new, consts = _rewrite_closed(eqn.params["call_jaxpr"], rules)
   thunk = eqn.params["fwd_jaxpr_thunk"]
@@ -330,10 +329,10 @@ _HIGHER_ORDER = {
     "pjit": _inline,
     "closed_call": _inline,
     "remat2": _remat,
-    "scan": _scan,
+    "scan": _with_consts("jaxpr"),
     "while": _while,
     "cond": _cond,
-    "custom_jvp_call": _custom_jvp,
+    "custom_jvp_call": _with_consts("call_jaxpr"),
     "custom_vjp_call": _custom_vjp,
     "shard_map": _shard_map,
 }

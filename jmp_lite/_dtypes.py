@@ -43,3 +43,10 @@ def is_low_bit_float(dtype: DTypeLike) -> bool:
   """Whether ``dtype`` is a floating format of 8 bits or fewer (fp8, fp4...)."""
   dt = np.dtype(dtype)
   return bool(jnp.issubdtype(dt, jnp.floating)) and jnp.finfo(dt).bits <= 8
+
+
+def is_narrow_float(dtype: DTypeLike) -> bool:
+  """Whether ``dtype`` is a 16-bit or narrower float (bf16, f16, fp8...):
+  what the engine makes accumulate in float32."""
+  dtype = np.dtype(dtype)
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize <= 2

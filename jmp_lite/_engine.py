@@ -34,6 +34,7 @@ import jax.extend as jex
 import numpy as np
 
 from jmp_lite import _accumulate
+from jmp_lite import _dtypes
 from jmp_lite import _internals
 from jmp_lite import _islands
 
@@ -60,7 +61,7 @@ def is_narrow_matmul(eqn) -> bool:
     return False
   lhs, rhs = (np.dtype(v.aval.dtype) for v in eqn.invars)
   pref = eqn.params.get("preferred_element_type")
-  return (lhs == rhs and _accumulate.is_narrow_float(lhs)
+  return (lhs == rhs and _dtypes.is_narrow_float(lhs)
           and (pref is None or np.dtype(pref) == lhs))
 
 
@@ -71,7 +72,7 @@ def _refused_on_cpu(eqn) -> bool:
   default algorithm on CPU and with the preset elsewhere.
   """
   return (eqn.primitive.name == "dot_general" and len(eqn.invars) == 2
-          and _accumulate.is_narrow_float(eqn.invars[0].aval.dtype)
+          and _dtypes.is_narrow_float(eqn.invars[0].aval.dtype)
           and _accumulate.cpu_refuses(eqn.params.get("precision")))
 
 
@@ -127,7 +128,7 @@ class _Rewriter:
       self.check_kernel(eqn)
       return eqn
     if name in _OPAQUE or not self.is_known(eqn.primitive):
-      if any(_accumulate.is_narrow_float(v.aval.dtype)
+      if any(_dtypes.is_narrow_float(v.aval.dtype)
              for v in eqn.invars if hasattr(v.aval, "dtype")):
         self.report(eqn, "it is opaque to JAX (its lowering is its own) and"
                     " takes narrow floating operands.")

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmp_lite._dtypes import is_narrow_float
 from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
 
@@ -142,11 +143,6 @@ def to_policy(value, what: str) -> Policy:
 
 def path_str(parts) -> str:
   return "/".join(str(p) for p in parts)
-
-
-def is_narrow_float(dtype) -> bool:
-  dtype = np.dtype(dtype)
-  return bool(jnp.issubdtype(dtype, jnp.floating)) and jnp.finfo(dtype).bits <= 16
 
 
 def needs_rewrite(rules: Rules) -> bool:

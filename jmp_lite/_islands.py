@@ -28,7 +28,7 @@ import jax
 import jax.extend as jex
 import numpy as np
 
-from jmp_lite import _accumulate
+from jmp_lite import _dtypes
 from jmp_lite import _internals
 
 # Linear first-order primitives: autodiff keeps nothing of them.
@@ -54,7 +54,7 @@ def _is_wide(aval) -> bool:
 
 def _is_upcast(eqn) -> bool:
   return (eqn.primitive.name == "convert_element_type"
-          and _accumulate.is_narrow_float(eqn.invars[0].aval.dtype)
+          and _dtypes.is_narrow_float(eqn.invars[0].aval.dtype)
           and _is_wide(eqn.outvars[0].aval))
 
 
