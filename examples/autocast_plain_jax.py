@@ -12,8 +12,10 @@ The same training step is compiled twice:
   softmax, layer norm and the loss in float32. Parameters, gradients and the
   optimizer stay float32 (autocast returns the dtypes the step returns).
 
-It prints the audit of the autocast step (nothing flagged), then the test
-accuracy and step time of each run.
+Before training it says what bf16 and f16 can buy on this machine and how long
+the run should take (about half a minute on a 2-core CPU); then it prints the
+audit of the autocast step (nothing flagged) and a table of the test accuracy
+and step time of each run.
 
 Usage:
   python examples/autocast_plain_jax.py
@@ -25,17 +27,48 @@ import json
 import pathlib
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from jax import lax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from tqdm import tqdm
+# Seconds to compile and milliseconds per step of each run with the defaults,
+# on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
+TIMINGS = {"f32": (4.0, 8.0), "bf16": (6.0, 10.0), "f16": (6.0, 10.0)}
 
-from jmp_lite import audit
-from jmp_lite import autocast
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+  parser.add_argument("--batch-size", type=int, default=64, help="images per step")
+  parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+  parser.add_argument("--width", type=int, default=32, help="model width")
+  parser.add_argument("--heads", type=int, default=4, help="attention heads")
+  parser.add_argument("--layers", type=int, default=2,
+                      help="transformer blocks (scanned)")
+  parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16"),
+                      help="autocast compute dtype of matmuls")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the data split, the initialisation and the batches")
+  parser.add_argument("--no-audit", action="store_true",
+                      help="skip printing the precision audit")
+  parser.add_argument("--out-dir", type=pathlib.Path, default=None,
+                      help="if given, write summary.json there")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+  # JAX takes seconds to import: --help and bad flags answer first.
+  parse_args()
+
+import jax  # noqa: E402  (imports after the early parse above)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+from sklearn.model_selection import train_test_split  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import _firstrun  # noqa: E402
+from jmp_lite import audit  # noqa: E402
+from jmp_lite import autocast  # noqa: E402
 
 TOKENS, TOKEN_DIM, CLASSES = 8, 8, 10
 
@@ -128,31 +161,14 @@ def train(name, value_and_grad, data, args):
   step_ms = 1e3 * (time.perf_counter() - start) / max(args.steps - 1, 1)
   accuracy = float(np.mean(np.asarray(predict(params, x_test)) == y_test))
   dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(params)}
-  print(f"{name:<9} test accuracy {accuracy:.3f}  final loss {float(loss):.4f}"
-        f"  step {step_ms:.2f} ms  (compile {compile_time:.1f} s,"
-        f" params {'/'.join(sorted(dtypes))})")
   return {"test_accuracy": accuracy, "final_loss": float(loss),
-          "step_ms": step_ms, "compile_s": compile_time}
+          "step_ms": step_ms, "compile_s": compile_time,
+          "param_dtypes": "/".join(sorted(dtypes))}
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=300, help="training steps")
-  parser.add_argument("--batch-size", type=int, default=64)
-  parser.add_argument("--lr", type=float, default=3e-3)
-  parser.add_argument("--width", type=int, default=32, help="model width")
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--layers", type=int, default=2,
-                      help="transformer blocks (scanned)")
-  parser.add_argument("--dtype", default="bf16", choices=("bf16", "f16"),
-                      help="autocast compute dtype of matmuls")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--no-audit", action="store_true",
-                      help="skip printing the precision audit")
-  parser.add_argument("--out-dir", type=pathlib.Path, default=None,
-                      help="if given, write summary.json there")
-  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-  args = parser.parse_args(argv)
+  args = parse_args(argv)
+  probe = _firstrun.announce(TIMINGS, ["f32", args.dtype], args.steps)
 
   digits = load_digits()
   images = (digits.data / 16.0).astype(np.float32)
@@ -182,12 +198,19 @@ def main(argv=None):
 
   results = {"float32": train("float32", f32_step, data, args),
              "autocast": train("autocast", autocast_step, data, args)}
+  print()
+  _firstrun.table(
+      ["run", "test acc", "final loss", "ms/step", "compile s", "param dtypes"],
+      [[name, f"{r['test_accuracy']:.3f}", f"{r['final_loss']:.4f}",
+        f"{r['step_ms']:.2f}", f"{r['compile_s']:.1f}", r["param_dtypes"]]
+       for name, r in results.items()])
   if args.out_dir is not None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "summary.json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()},
+    path = args.out_dir / "summary.json"
+    path.write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, **probe,
          "results": results}, indent=2))
-  print(json.dumps(results))
+    print(f"\nall results: {path}")
   return results
 
 

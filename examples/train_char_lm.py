@@ -7,8 +7,13 @@ reports validation loss (bits per byte) and training tokens per second of each.
 The corpus is the standard library's own ``.py`` files, read from disk, as
 bytes; nothing is downloaded.
 
+Before training it says what bf16 and f16 can buy on this machine and how long
+the run should take (about 7 minutes with the defaults on a 2-core AVX2 CPU:
+`--steps 100` for a quick look); afterwards it prints a table and writes the
+full results as JSON.
+
 Example:
-  python examples/train_char_lm.py --steps 300 --policies f32,bf16,f16
+  python examples/train_char_lm.py --steps 100 --policies f32,bf16
 """
 
 from __future__ import annotations
@@ -20,21 +25,59 @@ import os
 import pathlib
 import time
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from tqdm import tqdm
-
-import jmp_lite
-import jmp_lite.flax
-
 POLICIES = {
     "f32": "p=f32,c=f32,o=f32",
     "bf16": "p=f32,c=bf16,o=f32",
     "f16": "p=f32,c=f16,o=f32",
 }
+# Seconds to compile and milliseconds per step of each policy with the
+# defaults, on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
+TIMINGS = {"f32": (12.0, 250.0), "bf16": (14.0, 400.0), "f16": (15.0, 400.0)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--policies", default="f32,bf16,f16",
+                      help="comma-separated: f32 (float32), bf16 (bf16 compute, "
+                           "f32 params), f16 (f16 compute, f32 params, dynamic "
+                           "loss scale); default all three")
+  parser.add_argument("--steps", type=int, default=400, help="training steps per policy")
+  parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+  parser.add_argument("--context", type=int, default=64, help="bytes per sequence")
+  parser.add_argument("--lr", type=float, default=2e-3,
+                      help="AdamW's peak learning rate (warm-up, then cosine decay)")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the initialisation and the batches")
+  parser.add_argument("--corpus-bytes", type=int, default=4_000_000,
+                      help="bytes of standard-library source to read (90%% train, "
+                           "10%% validation)")
+  parser.add_argument("--val-batches", type=int, default=20,
+                      help="validation batches (the same ones for every policy)")
+  parser.add_argument("--out-dir", default="runs/char_lm", help="where summary.json goes")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  args = parser.parse_args(argv)
+  names = [n.strip() for n in args.policies.split(",") if n.strip()]
+  unknown = [n for n in names if n not in POLICIES]
+  if unknown or not names:
+    parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+  args.policies = names
+  return args
+
+
+if __name__ == "__main__":
+  # JAX and Flax take seconds to import: --help and bad flags answer first.
+  parse_args()
+
+import flax.linen as nn  # noqa: E402  (imports after the early parse above)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import _firstrun  # noqa: E402
+import jmp_lite  # noqa: E402
+import jmp_lite.flax  # noqa: E402
 
 
 def load_corpus(max_bytes: int) -> np.ndarray:
@@ -134,6 +177,8 @@ def train(name, train_data, val_data, args):
       "val_bits_per_byte": float(np.mean(vals) / math.log(2)),
       "final_train_loss": float(np.mean(losses[-20:])),
       "tokens_per_second": args.batch_size * args.context / float(np.median(steady)),
+      "compile_seconds": times[0],
+      "step_ms": float(np.median(steady)) * 1e3,
       "skipped_steps": int(state.loss_scale_state.skipped_steps),
       "final_loss_scale": float(state.loss_scale.loss_scale),
       "losses": losses,
@@ -142,48 +187,35 @@ def train(name, train_data, val_data, args):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--policies", default="f32,bf16,f16",
-                      help=f"comma-separated, from {', '.join(POLICIES)}")
-  parser.add_argument("--steps", type=int, default=400)
-  parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--context", type=int, default=64)
-  parser.add_argument("--lr", type=float, default=2e-3)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
-  parser.add_argument("--val-batches", type=int, default=20)
-  parser.add_argument("--out-dir", default="runs/char_lm", help="where the JSON goes")
-  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-  args = parser.parse_args(argv)
-  names = [n.strip() for n in args.policies.split(",") if n.strip()]
-  unknown = [n for n in names if n not in POLICIES]
-  if unknown:
-    parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-
+  args = parse_args(argv)
+  names = args.policies
+  probe = _firstrun.announce(TIMINGS, names, args.steps)
   data = load_corpus(args.corpus_bytes)
   split = int(len(data) * 0.9)
   results = {n: train(n, data[:split], data[split:], args) for n in names}
 
-  print(f"\n{'policy':>6}  {'val loss':>8}  {'bits/byte':>9}  {'vs f32':>7}  "
-        f"{'tokens/s':>9}  {'skipped':>7}")
   ref = results.get("f32", {}).get("val_loss")
-  for name, r in results.items():
-    rel = f"{100 * (r['val_loss'] / ref - 1):+6.2f}%" if ref else "      -"
-    print(f"{name:>6}  {r['val_loss']:8.4f}  {r['val_bits_per_byte']:9.4f}  {rel:>7}  "
-          f"{r['tokens_per_second']:9.0f}  {r['skipped_steps']:7d}")
+  print()
+  _firstrun.table(
+      ["policy", "val loss", "bits/byte", "vs f32", "tokens/s", "skipped steps",
+       "compile s", "ms/step"],
+      [[name, f"{r['val_loss']:.4f}", f"{r['val_bits_per_byte']:.4f}",
+        f"{100 * (r['val_loss'] / ref - 1):+.2f}%" if ref else "-",
+        f"{r['tokens_per_second']:,.0f}", r["skipped_steps"],
+        f"{r['compile_seconds']:.1f}", f"{r['step_ms']:.0f}"]
+       for name, r in results.items()])
   os.makedirs(args.out_dir, exist_ok=True)
   summary = {
       "example": "train_char_lm", "steps": args.steps, "batch_size": args.batch_size,
       "context": args.context, "seed": args.seed, "corpus_bytes": int(len(data)),
-      "backend": jax.default_backend(),
+      "backend": jax.default_backend(), **probe,
       "results": {n: {k: v for k, v in r.items() if k not in ("losses", "loss_scales")}
                   for n, r in results.items()},
   }
   path = os.path.join(args.out_dir, "summary.json")
   with open(path, "w") as f:
     json.dump(summary, f, indent=2)
-  print(json.dumps(summary["results"]))
-  print(f"summary: {path}")
+  print(f"\nall results: {path}")
   return summary
 
 

@@ -2,6 +2,7 @@
 
 import importlib
 import inspect
+import pathlib
 
 import jax.numpy as jnp
 import jmp
@@ -144,6 +145,7 @@ PUBLIC_MODULES = {
     "distributed": {"mark_varying", "reduce_gradients",
                     "is_replicated_everywhere", "AxisName"},
     "flax": {"wrap", "policy_map", "default_rules"},
+    "hardware": {"Hardware", "describe", "measure_matmuls", "CPU_FLAGS"},
     "loss_scale": {"LossScale", "NoOpLossScale", "StaticLossScale",
                    "DynamicLossScale", "all_finite", "select_tree", "AxisName"},
     "oplists": {"DEFAULT_WHITE_LIST", "DEFAULT_BLACK_LIST",
@@ -160,6 +162,12 @@ PUBLIC_MODULES = {
                 "assert_single_compile"},
     "training": {"value_and_grad", "StepInfo", "TrainState"},
 }
+
+
+def test_every_public_module_is_pinned():
+  package = pathlib.Path(jmp_lite.__file__).parent
+  modules = {p.stem for p in package.glob("*.py") if not p.stem.startswith("_")}
+  assert modules == set(PUBLIC_MODULES)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_MODULES))

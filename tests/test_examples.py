@@ -38,28 +38,74 @@ def test_train_digits(tmp_path):
   ratio = results["pure_bf16_kahan"]["param_bytes"] / results["f32"]["param_bytes"]
   assert 0.5 < ratio < 0.501
   assert (tmp_path / "digits.png").stat().st_size > 10_000
-  assert "test acc" in stdout
+  _assert_first_run_output(stdout, summary)
+  assert "test acc" in stdout and "ms/step" in stdout
+
+
+def _assert_first_run_output(stdout, summary):
+  # Before training: the hardware and what bf16 buys on it, and an estimate.
+  lines = stdout.splitlines()
+  notice = lines.index(next(l for l in lines if l.startswith("bf16: ")))
+  estimate = next(i for i, l in enumerate(lines) if l.startswith("Estimated "))
+  assert notice < estimate < len(lines) // 2
+  assert summary["estimated_seconds"] > 0 and summary["matmul_gflops"]["float32"] > 0
+  # After: a table and the path of the full results, not the JSON itself.
+  assert not any(l.lstrip().startswith("{") for l in lines)
+  assert lines[-1].startswith("all results: ") and lines[-1].endswith("summary.json")
 
 
 def test_train_char_lm(tmp_path):
-  summary, _ = _run("train_char_lm.py", tmp_path, "--steps", "30", "--policies",
+  summary, stdout = _run("train_char_lm.py", tmp_path, "--steps", "30", "--policies",
                     "f32,bf16", "--corpus-bytes", "200000", "--val-batches", "2")
   for r in summary["results"].values():
     assert r["val_loss"] < 5.0 and r["tokens_per_second"] > 0
+  _assert_first_run_output(stdout, summary)
 
 
 def test_autocast_plain_jax(tmp_path):
   summary, stdout = _run("autocast_plain_jax.py", tmp_path, "--steps", "30")
   assert "with f32 accumulation, 0 flagged" in stdout
   assert set(summary["results"]) == {"float32", "autocast"}
+  _assert_first_run_output(stdout, summary)
 
 
-@pytest.mark.parametrize("script", ["train_digits.py", "train_char_lm.py",
-                                    "autocast_plain_jax.py", "train_seq2seq.py"])
-def test_help(script):
+SCRIPTS = ["train_digits.py", "train_char_lm.py", "autocast_plain_jax.py",
+           "train_seq2seq.py"]
+
+
+def _without_jax(tmp_path):
+  """An environment in which importing JAX, Flax or optax raises."""
+  for name in ("jax", "flax", "optax"):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text(
+        f"raise ImportError('{name} imported before the arguments were parsed')\n")
+  return dict(os.environ, PYTHONPATH=str(tmp_path))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_answers_before_jax_is_imported(script, tmp_path):
   out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"],
-                       capture_output=True, text=True, timeout=120)
-  assert out.returncode == 0 and "--steps" in out.stdout and "--seed" in out.stdout
+                       capture_output=True, text=True, timeout=120,
+                       env=_without_jax(tmp_path))
+  assert out.returncode == 0, out.stderr
+  assert "--steps" in out.stdout and "--seed" in out.stdout
+  # Every option says what it does.
+  # Every option says what it does: argparse puts the help on the option's line
+  # or, after a long option, indented on the next.
+  lines = out.stdout.splitlines() + [""]
+  options = [(line, after) for line, after in zip(lines, lines[1:])
+             if line.startswith("  -")]
+  undocumented = [line for line, after in options
+                  if len(line.split()) <= 2 and not after.startswith(" " * 8)]
+  assert options and not undocumented, undocumented
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_flag_fails_before_jax_is_imported(script, tmp_path):
+  out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--stpes", "3"],
+                       capture_output=True, text=True, timeout=120,
+                       env=_without_jax(tmp_path))
+  assert out.returncode == 2 and "unrecognized arguments: --stpes" in out.stderr
 
 
 def test_train_seq2seq(tmp_path):
@@ -77,5 +123,6 @@ def test_train_seq2seq(tmp_path):
     assert results[name]["matmuls_half_f32"] == results[name]["matmuls_total"] > 0
   assert results["f32"]["matmuls_half_f32"] == 0
   assert "wrap(model).init == model.init" in stdout
+  _assert_first_run_output(stdout, summary)
   # The model is trained as written: its file knows nothing of jmp_lite.
   assert "jmp_lite" not in (ROOT / "examples" / "seq2seq_model.py").read_text()

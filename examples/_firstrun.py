@@ -1,0 +1,91 @@
+"""What the examples print before and after training.
+
+Before: the machine, what bf16/f16 can buy on it (bf16 matrix units or not:
+on an AVX2-only CPU bf16 steps are *slower* than f32), and a rough estimate of
+how long the run will take. The estimate scales timings measured on a
+reference machine by this machine's measured matmul speed in each compute
+dtype; it is rough (small models are bound by dispatch, not by matmuls), but
+it tells a minute from ten.
+
+After: a plain-text table and where the full results went.
+
+Only the standard library is imported here at import time, so an example can
+import this module before JAX loads.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Mapping, Sequence
+
+# The machine the examples' reference timings come from, and its
+# `jmp_lite.hardware.measure_matmuls(("float32", "bfloat16", "float16"))`.
+REFERENCE_MACHINE = "2-core AMD EPYC, AVX2 only (no avx512_bf16, no AMX), JAX 0.10.2"
+REFERENCE_GFLOPS = {"float32": 144.0, "bfloat16": 89.0, "float16": 122.0}
+
+
+def _compute_dtype(policy_name: str) -> str:
+  if "bf16" in policy_name:
+    return "bfloat16"
+  if "f16" in policy_name:
+    return "float16"
+  return "float32"
+
+
+def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str],
+             steps: int, *, what: str = "training") -> dict:
+  """Prints the hardware notice and a time estimate; returns the probe's figures.
+
+  Args:
+    timings: per policy name, (seconds to compile, milliseconds per step)
+      measured with the example's defaults on `REFERENCE_MACHINE`.
+    policies: the policies about to run (names of `timings`).
+    steps: training steps per policy.
+    what: what the estimate covers.
+  """
+  import jmp_lite.hardware  # imports JAX: after argument parsing
+
+  started = time.perf_counter()
+  hardware = jmp_lite.hardware.describe()
+  dtypes = sorted({_compute_dtype(p) for p in policies} | {"float32"})
+  measured = jmp_lite.hardware.measure_matmuls(dtypes, seconds=0.15)
+  total = 0.0
+  for name in policies:
+    compile_s, step_ms = timings.get(name, max(timings.values()))
+    dtype = _compute_dtype(name)
+    # Slower matmuls here than on the reference: proportionally longer steps.
+    # A floor of 1 ms a step: dispatch and host work do not shrink on a GPU.
+    scale = REFERENCE_GFLOPS[dtype] / measured[dtype]
+    total += compile_s + steps * max(step_ms * scale, 1.0) / 1e3
+  print(hardware.advice(measured))
+  print(f"Estimated {what} time here: about {_duration(total)} "
+        f"({len(policies)} {'policy' if len(policies) == 1 else 'policies'} × "
+        f"{steps} steps; rough: timings from {REFERENCE_MACHINE}, scaled by "
+        f"the matmul speed measured above in "
+        f"{time.perf_counter() - started:.1f} s).\n", flush=True)
+  return {"hardware": hardware.headline(), "matmul_gflops": measured,
+          "estimated_seconds": round(total, 1)}
+
+
+def _duration(seconds: float) -> str:
+  if seconds < 90:
+    return f"{max(5, round(seconds / 5) * 5):.0f} s"
+  return f"{seconds / 60:.0f} min"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence], file=None) -> None:
+  """Prints rows under a header, each column as wide as its widest cell."""
+  cells = [list(map(str, header))] + [[_cell(v) for v in row] for row in rows]
+  widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+  for i, row in enumerate(cells):
+    print("  ".join(c.rjust(w) if j else c.ljust(w)
+                    for j, (c, w) in enumerate(zip(row, widths))), file=file or sys.stdout)
+    if i == 0:
+      print("  ".join("-" * w for w in widths), file=file or sys.stdout)
+
+
+def _cell(value) -> str:
+  if isinstance(value, float):
+    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+  return str(value)
