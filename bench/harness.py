@@ -7,9 +7,12 @@ Sections (``bench/sections/*.py``) use four things from here:
   compiles them, and returns the median per alternative. On a shared 2-core
   machine the load drifts; interleaving exposes every alternative to the same
   drift, so the ratios stay meaningful even when absolute times move.
-* `Table`, `Target` and `SectionResult`: what a section returns. `write_markdown`
-  and `write_json` render them.
-* `hardware_info`: CPU model, cores, relevant ISA flags, versions, backend.
+* `Table`, `Target` and `SectionResult`: what a section returns; `bench.report`
+  renders them. A `Target` names what it measures and the
+  `HardwareClass` it applies to; outside that class it is reported as "not
+  applicable here" with the measured value, never as a miss.
+* `Context.pick`: the size of a section for this run's plan (CPU or GPU/TPU
+  sizes; ``--quick``; ``--dry-run``'s tiny sizes).
 * `dot_census`: the operand dtypes of every dot in a compiled XLA program,
   which shows where a "bf16" matmul was silently run in float32.
 """
@@ -17,10 +20,6 @@ Sections (``bench/sections/*.py``) use four things from here:
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
-import os
-import platform
 import re
 import statistics
 import sys
@@ -38,7 +37,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-  """What every section gets: the run's options.
+  """What every section gets: the run's options and its plan.
 
   Attributes:
     quick: small sizes, for a smoke run.
@@ -46,12 +45,59 @@ class Context:
     min_sample_s: a timed sample repeats the call until it lasts this long, so
       that sub-millisecond calls are not dominated by timer resolution.
     seed: PRNG seed for all generated data.
+    dry_run: tiny sizes and one round: proves the plan's code paths run, its
+      figures mean nothing.
+    platform: the platform the plan is made for ("cpu", "gpu" or "tpu"): the
+      default backend's, or the one forced with ``--assume-platform``.
+    assumed: whether ``platform`` was forced rather than detected.
+    bf16_units: whether the plan's hardware has bf16 matrix units (decides
+      which targets apply, see `HardwareClass`).
+    warmup: untimed calls before timing (`measure`).
   """
 
   quick: bool = False
   repeats: int = 10
   min_sample_s: float = 0.02
   seed: int = 0
+  dry_run: bool = False
+  platform: str = "cpu"
+  assumed: bool = False
+  bf16_units: bool = False
+  warmup: int = 2
+
+  @property
+  def accelerator(self) -> bool:
+    """GPU or TPU plan: larger sizes, device memory bounds."""
+    return self.platform in ("gpu", "tpu")
+
+  @property
+  def tf32(self) -> bool:
+    """Whether the plan adds a float32 baseline with TF32 allowed (GPUs)."""
+    return self.platform == "gpu"
+
+  @property
+  def size_key(self) -> str:
+    """"dry", "quick", "full", "gpu_quick" or "gpu" (GPU and TPU plans)."""
+    if self.dry_run:
+      return "dry"
+    base = "quick" if self.quick else "full"
+    if self.accelerator:
+      return "gpu_quick" if self.quick else "gpu"
+    return base
+
+  def pick(self, *, full: Any, quick: Any, dry: Any, gpu: Any = None,
+           gpu_quick: Any = None) -> Any:
+    """The size for this run: ``full``/``quick`` on a CPU plan, ``gpu``/
+    ``gpu_quick`` on a GPU or TPU plan (falling back to the CPU sizes), ``dry``
+    for ``--dry-run`` whatever the plan.
+
+    Every argument is evaluated whatever the plan, so the code computing the
+    GPU sizes (e.g. `bounded_bytes`) runs in every dry run.
+    """
+    sizes = {"full": full, "quick": quick, "dry": dry,
+             "gpu": full if gpu is None else gpu,
+             "gpu_quick": quick if gpu_quick is None else gpu_quick}
+    return sizes[self.size_key]
 
   def log(self, *msg: Any) -> None:
     print("  ", *msg, file=sys.stderr, flush=True)
@@ -104,7 +150,8 @@ def _run(fn: Callable[[], Any], number: int) -> float:
 
 
 def measure(fns: Mapping[str, Callable[[], Any]], ctx: Context, *,
-            repeats: Optional[int] = None, warmup: int = 2) -> dict[str, Timing]:
+            repeats: Optional[int] = None,
+            warmup: Optional[int] = None) -> dict[str, Timing]:
   """Times zero-argument callables side by side; returns seconds per call.
 
   Each callable is called ``warmup`` times first (compilation, allocator
@@ -118,12 +165,13 @@ def measure(fns: Mapping[str, Callable[[], Any]], ctx: Context, *,
     fns: name -> zero-argument callable returning arrays to block on.
     ctx: the run context (repeats, minimum sample time).
     repeats: overrides ``ctx.repeats``.
-    warmup: untimed calls before calibration.
+    warmup: untimed calls before calibration (default ``ctx.warmup``).
 
   Returns:
     name -> `Timing`.
   """
   repeats = repeats or ctx.repeats
+  warmup = ctx.warmup if warmup is None else warmup
   names = list(fns)
   number = {}
   for name in names:
@@ -153,10 +201,22 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[")
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%[\w.\-]+\s*\((.*)\)\s*->.*\{\s*$")
 _PARAM = re.compile(r"([\w.\-]+):\s*(\w+)\[")
 _DOT = re.compile(r"=\s*(\w+)\[[^\]]*\]\S*\s+dot\(%([\w.\-]+),\s*%([\w.\-]+)\)")
+# A GPU matmul that XLA hands to cuBLAS / cuBLASLt / hipBLASLt: a custom call
+# whose output is a tuple (result, workspace) or the result alone.
+_GEMM_CALL = re.compile(
+    r"=\s*\(?(\w+)\[[^\]]*\]\S*.*?\scustom-call\(%([\w.\-]+),\s*%([\w.\-]+)"
+    r".*custom_call_target=\"([^\"]*(?:gemm|[Mm]atmul)[^\"]*)\"")
+_PRECISION = re.compile(r"operand_precision=\{(\w+),(\w+)\}")
 
 
 def dot_list(hlo_text: str) -> list[tuple[str, str, str, str]]:
-  """Every dot of a compiled HLO module: ``(lhs, rhs, out dtype, instruction)``."""
+  """Every matmul of a compiled HLO module: ``(lhs, rhs, out dtype, instruction)``.
+
+  Matmuls are ``dot`` instructions (XLA:CPU; inside fusions on GPUs, e.g.
+  Triton GEMMs) and custom calls to a BLAS library (cuBLAS on GPUs). A dot
+  carrying a non-default ``operand_precision`` gets it appended to its output
+  dtype (``"f32 (high)"``: TF32 allowed; ``"f32 (highest)"``: full float32).
+  """
   dots = []
   types: dict[str, str] = {}
   for line in hlo_text.splitlines():
@@ -167,22 +227,26 @@ def dot_list(hlo_text: str) -> list[tuple[str, str, str, str]]:
     instr = _INSTR.match(line)
     if instr:
       types[instr.group(1)] = instr.group(2)
-    dot = _DOT.search(line)
+    dot = _DOT.search(line) or _GEMM_CALL.search(line)
     if dot:
       text = re.sub(r",\s*metadata=.*", "", line.strip())
+      out = dot.group(1)
+      precision = _PRECISION.search(line)
+      if precision and precision.group(1) != "default":
+        out = f"{out} ({precision.group(1)})"
       dots.append((types.get(dot.group(2), "?"), types.get(dot.group(3), "?"),
-                   dot.group(1), text))
+                   out, text))
   return dots
 
 
 def dot_census(hlo_text: str) -> Counter:
-  """Counts the dots of a compiled HLO module by ``(lhs, rhs, out)`` dtypes.
+  """Counts the matmuls of a compiled HLO module by ``(lhs, rhs, out)`` dtypes.
 
   On XLA:CPU a bf16 x bf16 dot that the fast bf16 kernels cannot take (for
   example one contracting the leading dimension of its left operand, the
   weight-gradient layout) is rewritten into converts plus an f32 x f32 dot; the
   census makes that visible: ``{("bf16", "bf16", "f32"): 4, ("f32", "f32",
-  "f32"): 4}``.
+  "f32"): 4}``. On a GPU it counts the dots and the cuBLAS calls alike.
   """
   return Counter((a, b, o) for a, b, o, _ in dot_list(hlo_text))
 
@@ -253,18 +317,55 @@ class Table:
   def to_json(self) -> dict:
     return {"title": self.title,
             "columns": [{"key": c.key, "label": c.label} for c in self.columns],
-            "rows": [_jsonable(r) for r in self.rows], "notes": self.notes}
+            "rows": [jsonable(r) for r in self.rows], "notes": self.notes}
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareClass:
+  """The hardware a target is meant for.
+
+  Attributes:
+    name: what the report shows in the target's "applies to" column.
+    lacking: why a machine outside the class is outside it ("no bf16 units"),
+      shown as "not applicable here (...)".
+    test: whether the run's plan (its `Context`) belongs to the class.
+  """
+
+  name: str
+  lacking: str
+  test: Callable[["Context"], bool]
+
+
+ALL_HARDWARE = HardwareClass("all hardware", "", lambda ctx: True)
+BF16_UNITS = HardwareClass(
+    "devices with bf16 matrix units (avx512_bf16/AMX CPUs, GPUs ≥ sm80, TPUs)",
+    "no bf16 units", lambda ctx: ctx.bf16_units)
 
 
 @dataclasses.dataclass
 class Target:
-  """A goal from the issues: ``value <op> goal``, e.g. a ratio <= 0.5."""
+  """A goal: ``value <op> goal`` (e.g. a ratio <= 0.5) on a class of hardware.
+
+  ``name`` says what is measured and the goal ("bf16 MLP train step ≤ 0.5×
+  f32"); ``applies_to`` the hardware on which the goal can be met. On other
+  hardware the value is still measured and shown, as "not applicable here".
+  ``applicable`` and ``judged`` are set by the runner for the run's plan
+  (`resolve`): a dry run's figures are shown but not judged.
+  """
 
   name: str
   value: Optional[float]
   goal: float
   op: str  # "<=" or ">="
   unit: str = "×"
+  applies_to: HardwareClass = ALL_HARDWARE
+  applicable: bool = True
+  judged: bool = True
+
+  def resolve(self, ctx: "Context") -> "Target":
+    self.applicable = bool(self.applies_to.test(ctx))
+    self.judged = not ctx.dry_run
+    return self
 
   @property
   def met(self) -> Optional[bool]:
@@ -274,29 +375,45 @@ class Target:
 
   @property
   def status(self) -> str:
+    if not self.applicable:
+      return "not applicable here"
+    if not self.judged:
+      return "not judged (dry run)"
     return {None: "n/a", True: "PASS", False: "MISS"}[self.met]
 
   @property
   def margin(self) -> Optional[float]:
     """How far from the goal, relative to it: +0.12 = 12% better than needed."""
-    if self.value is None:
+    if self.value is None or self.goal == 0:
       return None
     rel = (self.goal - self.value) / self.goal
     return rel if self.op == "<=" else -rel
 
+  def _value(self, x: float) -> str:
+    return f"{x:.3g}{self.unit}"
+
   def describe(self) -> str:
     if self.value is None:
       return "not measured"
-    value = f"{self.value:.3g}{self.unit}"
-    goal = f"{self.op} {self.goal:g}{self.unit}"
+    value = self._value(self.value)
+    goal = f"{self.op} {self._value(self.goal)}"
+    if not self.applicable:
+      return (f"not applicable here ({self.applies_to.lacking}): measured "
+              f"{value} (goal {goal})")
+    if not self.judged:
+      return f"measured {value} (goal {goal}) at dry-run sizes, one round"
     if self.value == self.goal:
       return f"{value} (goal {goal}): exactly at the goal"
+    if self.margin is None:  # a goal of zero
+      return f"{value} (goal {goal})"
     word = "better than" if self.margin >= 0 else "short of"
     return f"{value} (goal {goal}): {abs(self.margin) * 100:.0f}% {word} the goal"
 
   def to_json(self) -> dict:
     return {"name": self.name, "value": self.value, "goal": self.goal,
-            "op": self.op, "status": self.status, "margin": self.margin}
+            "op": self.op, "unit": self.unit, "status": self.status,
+            "margin": self.margin, "applies_to": self.applies_to.name,
+            "applicable": self.applicable, "judged": self.judged}
 
 
 @dataclasses.dataclass
@@ -315,11 +432,11 @@ def human_bytes(n: float) -> str:
   raise AssertionError("unreachable")
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
   if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
+    return {str(k): jsonable(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
+    return [jsonable(v) for v in x]
   if isinstance(x, Timing):
     return x.to_json()
   if isinstance(x, (np.integer,)):
@@ -333,149 +450,3 @@ def _jsonable(x: Any) -> Any:
   if isinstance(x, (str, int, float, bool)) or x is None:
     return x
   return str(x)
-
-
-# ---------------------------------------------------------------------------
-# Hardware
-
-
-_FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni",
-                      "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16",
-                      "amx_tile", "amx_int8", "amx_fp16")
-
-
-def hardware_info() -> dict:
-  """CPU model, core count, ISA flags relevant to bf16, versions, backend."""
-  model, flags, arch_flags = platform.processor() or "unknown", set(), ""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model in ("unknown", platform.processor()):
-          model = value.strip()
-        elif key in ("flags", "Features") and not flags:
-          flags = set(value.split())
-  except OSError:
-    pass
-  if flags:
-    arch_flags = " ".join(f for f in _FLAGS_OF_INTEREST if f in flags)
-  try:
-    import jaxlib
-    jaxlib_version = jaxlib.__version__
-  except Exception:  # pragma: no cover
-    jaxlib_version = "unknown"
-  versions = {"python": platform.python_version(), "jax": jax.__version__,
-              "jaxlib": jaxlib_version}
-  for mod in ("flax", "optax", "jmp", "jmp_lite", "numpy"):
-    try:
-      versions[mod] = __import__(mod).__version__
-    except Exception:
-      versions[mod] = "not installed"
-  try:
-    with open("/proc/loadavg") as f:
-      load = " ".join(f.read().split()[:3])
-  except OSError:
-    load = "unknown"
-  devices = jax.devices()
-  return {
-      "cpu_model": model,
-      "cores": os.cpu_count(),
-      "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-      "cpu_flags": arch_flags or "unknown",
-      "missing_flags": " ".join(f for f in _FLAGS_OF_INTEREST if flags and f not in flags),
-      "memory_gib": _memory_gib(),
-      "platform": platform.platform(),
-      "backend": jax.default_backend(),
-      "devices": f"{len(devices)} × {devices[0].device_kind}",
-      "versions": versions,
-      "loadavg_at_start": load,
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-  }
-
-
-def _memory_gib() -> Optional[float]:
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemTotal:"):
-          return round(int(line.split()[1]) / 2**20, 1)
-  except OSError:
-    pass
-  return None
-
-
-def loadavg() -> str:
-  try:
-    with open("/proc/loadavg") as f:
-      return " ".join(f.read().split()[:3])
-  except OSError:
-    return "unknown"
-
-
-# ---------------------------------------------------------------------------
-# Writers
-
-
-def _status_line(t: Target) -> str:
-  return f"| {t.name} | {t.status} | {t.describe()} |"
-
-
-def write_markdown(path: str, meta: dict, results: Mapping[str, dict]) -> None:
-  """Writes the whole run as markdown: header, targets, then each section."""
-  hw = meta["hardware"]
-  v = hw["versions"]
-  lines = [
-      "# jmp_lite benchmarks", "",
-      f"Command: `{meta['command']}`  ",
-      f"Run: {meta['started']} ({meta['seconds']:.0f} s), "
-      f"{'quick sizes' if meta['quick'] else 'full sizes'}, "
-      f"{meta['repeats']} interleaved rounds per figure, each figure a median.", "",
-      "## Hardware", "",
-      f"- CPU: {hw['cpu_model']}, {hw['cores']} cores "
-      f"({hw['usable_cores']} usable), {hw['memory_gib']} GiB RAM",
-      f"- ISA flags: {hw['cpu_flags']}"
-      + (f" (absent: {hw['missing_flags']})" if hw["missing_flags"] else ""),
-      f"- Backend: {hw['backend']} ({hw['devices']}); jax {v['jax']}, jaxlib "
-      f"{v['jaxlib']}, flax {v['flax']}, optax {v['optax']}, jmp {v['jmp']}, "
-      f"jmp_lite {v['jmp_lite']}, Python {v['python']}",
-      f"- Load average at start / end: {hw['loadavg_at_start']} / "
-      f"{meta['loadavg_at_end']} (other processes share these cores)",
-  ]
-  if hw["xla_flags"]:
-    lines.append(f"- XLA_FLAGS: `{hw['xla_flags']}`")
-  targets = [(name, t) for name, r in results.items() for t in r["result"].targets]
-  if targets:
-    lines += ["", "## Targets", "", "| target | status | measured |", "|---|---|---|"]
-    lines += [_status_line(t) for _, t in targets]
-  for name, r in results.items():
-    lines += ["", f"## {r['title']} (`{name}`, {r['seconds']:.0f} s)", ""]
-    if r["description"]:
-      lines += [r["description"], ""]
-    if r["error"]:
-      lines += ["**Section failed:**", "", "```", r["error"].rstrip(), "```"]
-      continue
-    for table in r["result"].tables:
-      lines.append(table.markdown())
-    lines += [f"- {n}" for n in r["result"].notes]
-  with open(path, "w") as f:
-    f.write("\n".join(lines).rstrip() + "\n")
-
-
-def write_json(path: str, meta: dict, results: Mapping[str, dict]) -> None:
-  out = {"meta": _jsonable(meta), "sections": {}}
-  for name, r in results.items():
-    res = r["result"]
-    out["sections"][name] = {
-        "title": r["title"], "seconds": r["seconds"], "error": r["error"],
-        "tables": [t.to_json() for t in res.tables],
-        "targets": [t.to_json() for t in res.targets],
-        "notes": res.notes, "data": _jsonable(res.data),
-    }
-  with open(path, "w") as f:
-    json.dump(out, f, indent=1)
-    f.write("\n")
-
-
-def now() -> str:
-  return datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

@@ -26,7 +26,8 @@ FLOPs of a train step stay in float32. `dense_bf16_vjp` defines the backward
 pass itself (bf16 operands, f32 accumulation) and feeds the weight-gradient
 product a physically transposed activation, because XLA:CPU's bf16 kernels do
 not take a left operand contracted over its leading dimension (it silently
-upcasts that dot to float32; `harness.dot_census` shows it).
+upcasts that dot to float32; `harness.dot_census` shows it). On a GPU both run
+on the tensor cores; the copy only costs memory traffic there.
 """
 
 from __future__ import annotations
@@ -358,8 +359,27 @@ def cross_entropy(logits, labels):
       logits.astype(F32), labels).mean()
 
 
-def mlp(quick: bool = False) -> Workload:
-  batch, width, layers = (64, 256, 4) if quick else (256, 1024, 4)
+# Sizes by `harness.Context.size_key`: the CPU sizes ("full", "quick"), the
+# GPU/TPU sizes ("gpu", "gpu_quick": large enough that the matmuls, not the
+# launches, dominate) and the dry run's ("dry": every code path, in seconds).
+MLP_SIZES = {  # batch, width, layers
+    "full": (256, 1024, 4), "quick": (64, 256, 4), "dry": (8, 32, 4),
+    "gpu": (2048, 4096, 4), "gpu_quick": (512, 2048, 4)}
+TRANSFORMER_SIZES = {  # batch, seq, d_model, heads, classes
+    "full": (16, 128, 256, 4, 256), "quick": (8, 64, 128, 2, 128),
+    "dry": (2, 8, 32, 2, 16),
+    "gpu": (16, 512, 1024, 16, 1024), "gpu_quick": (8, 256, 512, 8, 512)}
+
+
+def _size_key(size) -> str:
+  if isinstance(size, bool):  # the former `quick` flag
+    return "quick" if size else "full"
+  return size
+
+
+def mlp(size="full") -> Workload:
+  """The MLP at ``size``: a key of `MLP_SIZES` (or ``True`` for "quick")."""
+  batch, width, layers = MLP_SIZES[_size_key(size)]
   widths = (width,) * layers
   return Workload(
       name="mlp",
@@ -370,11 +390,9 @@ def mlp(quick: bool = False) -> Workload:
       x_shape=(batch, width), num_classes=width)
 
 
-def transformer(quick: bool = False) -> Workload:
-  if quick:
-    batch, seq, d, heads, classes = 8, 64, 128, 2, 128
-  else:
-    batch, seq, d, heads, classes = 16, 128, 256, 4, 256
+def transformer(size="full") -> Workload:
+  """The transformer at ``size``: a key of `TRANSFORMER_SIZES`."""
+  batch, seq, d, heads, classes = TRANSFORMER_SIZES[_size_key(size)]
   return Workload(
       name="transformer",
       description=(f"Transformer block: d_model {d}, {heads} heads, MLP 4x, "

@@ -7,13 +7,16 @@ precision and the way of getting it differ.
 
 Registration point: append to `VARIANTS` with `register` (or edit the
 `jmp_lite_wrap` slot below). ``compare_to`` names a variant this one should be
-within 2% of (the jmp_lite overhead target of issue 5); the ``steps`` section
-turns it into a target line.
+within 2% of (jmp_lite's overhead against the same step written by hand); the
+``steps`` section turns it into a target line. ``platforms`` limits a variant
+to the plans of some platforms (the TF32 baseline exists on GPUs only);
+`active` gives the variants of a run's plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 from typing import Callable, Optional
 
 import jax
@@ -38,6 +41,12 @@ class Variant:
       within 2% (None: no overhead target).
     value_and_grad: how the step differentiates the loss (``jax.value_and_grad``
       unless the variant transforms the whole differentiated function).
+    precision: a ``jax.default_matmul_precision`` under which the variant's
+      step is traced and compiled ("highest": float32 matmuls really in
+      float32; "tensorfloat32": TF32 allowed), or None.
+    platforms: the plans' platforms in which the variant runs (None: all).
+    in_memory: whether the ``memory`` section lists it (a variant that only
+      changes the matmul precision keeps the same residuals).
   """
 
   name: str
@@ -46,6 +55,15 @@ class Variant:
   unavailable: str = ""
   compare_to: Optional[str] = None
   value_and_grad: Callable = jax.value_and_grad
+  precision: Optional[str] = None
+  platforms: Optional[tuple[str, ...]] = None
+  in_memory: bool = True
+
+  def precision_scope(self):
+    """The context to trace and compile this variant's step in."""
+    if self.precision is None:
+      return contextlib.nullcontext()
+    return jax.default_matmul_precision(self.precision)
 
 
 def _f32(w: models.Workload) -> LossFn:
@@ -111,7 +129,13 @@ def _autocast_value_and_grad(loss_fn):
 
 
 VARIANTS: list[Variant] = [
-    Variant("f32", "f32", _f32),
+    # The baseline: float32 matmuls at "highest" precision, which on a GPU
+    # means no TF32 (on a CPU every float32 matmul is float32 anyway).
+    Variant("f32", "f32", _f32, precision="highest"),
+    # What a GPU user gets from float32 with TF32 allowed (Ampere and newer
+    # tensor cores): the other baseline mixed precision has to beat there.
+    Variant("f32_tf32", "f32, TF32 allowed", _f32, precision="tensorfloat32",
+            platforms=("gpu",), in_memory=False),
     Variant("flax_bf16", "Flax dtype=bf16 (naive)", _flax_bf16),
     Variant("jmp", "jmp 0.0.4 Policy p=f32,c=bf16,o=f32", _jmp_policy),
     Variant("hand_bf16", "hand-written bf16, f32 acc (autodiff bwd)",
@@ -134,6 +158,11 @@ def register(variant: Variant, *, replace: bool = False) -> None:
     VARIANTS[names.index(variant.name)] = variant
   else:
     VARIANTS.append(variant)
+
+
+def active(ctx) -> list[Variant]:
+  """The variants of the run's plan (``ctx.platform``), in registry order."""
+  return [v for v in VARIANTS if v.platforms is None or ctx.platform in v.platforms]
 
 
 def get(name: str) -> Variant:
