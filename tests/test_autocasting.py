@@ -17,6 +17,7 @@ from jax import lax
 import jmp_lite
 from jmp_lite.auditing import audit
 from jmp_lite.autocasting import autocast, primitive_name
+from jmp_lite.testing import count_compilations
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 T, D, H, F = 16, 32, 4, 64  # sequence, model width, heads, MLP width.
@@ -215,9 +216,10 @@ def test_vmap_of_grad_of_autocast():
 
 def test_jit_in_either_order_compiles_once(params, x):
   jitted = jax.jit(autocast(block, jnp.bfloat16))
-  for _ in range(3):
-    jitted(params, x)
-  assert jitted._cache_size() == 1  # pylint: disable=protected-access
+  with count_compilations() as compiled:
+    for _ in range(3):
+      jitted(params, x)
+  assert len(compiled) == 1
   inner = autocast(jax.jit(block), jnp.bfloat16)
   np.testing.assert_allclose(jax.jit(inner)(params, x), ref_block(params, x),
                              atol=ATOL)

@@ -48,6 +48,7 @@ clone is not deep).
 import functools
 from typing import Any
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -549,7 +550,7 @@ def test_nnx_forward_and_grad(name):
     # down.
     assert (jax.tree.structure(params["module"])
             == jax.tree.structure(ref_params))
-    jax.tree.map(np.testing.assert_array_equal, params["module"], ref_params)
+    chex.assert_trees_all_equal(params["module"], ref_params)
     # The float32 oracle takes the wrapper's parameter tree: same leaves.
     unwrap = lambda p, x: ref(p["module"], x)
     _check_model(fun, unwrap, params, x, kinds, wide)

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from flax import nnx
 import jmp_lite
 import jmp_lite.flax
 from jmp_lite.auditing import audit
+from jmp_lite.testing import count_compilations
 
 BF16 = "p=f32,c=bf16,o=f32"
 F32, BF = np.dtype(np.float32), np.dtype(jnp.bfloat16)
@@ -185,7 +187,7 @@ def test_linen_batch_stats_stay_f32(name, jit):
 def test_linen_f32_policy_is_bit_exact(name, jit):
   model, wrapped, variables, x = _linen(name, "f32")
   reference = model.init(jax.random.key(0), x)
-  jax.tree.map(np.testing.assert_array_equal, variables, reference)
+  chex.assert_trees_all_equal(variables, reference)
   np.testing.assert_array_equal(
       _maybe_jit(wrapped.apply, jit)(variables, x),
       _maybe_jit(model.apply, jit)(variables, x))
@@ -210,9 +212,11 @@ def test_linen_jitted_step_compiles_once():
   _, wrapped, variables, x = _linen("mlp")
   step = jax.jit(jax.grad(
       lambda p, x: wrapped.apply({**variables, "params": p}, x).sum()))
-  step(variables["params"], x)
-  step(variables["params"], x + 1)
-  assert step._cache_size() == 1  # pylint: disable=protected-access
+  x1 = x + 1
+  with count_compilations() as compiled:
+    step(variables["params"], x)
+    step(variables["params"], x1)
+  assert len(compiled) == 1
 
 
 # Rules and policy_map ----------------------------------------------------------

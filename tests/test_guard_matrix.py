@@ -21,6 +21,7 @@ import inspect
 import warnings
 from typing import Callable, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +31,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite import optax as jo
-from jmp_lite.testing import inject_nonfinite
+from jmp_lite.testing import count_compilations, inject_nonfinite
 
 _LR = 1e-3
 _TARGET = 0.25
@@ -477,17 +478,25 @@ def _paths(tree):
   return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-def _bits(x) -> bytes:
+def _assert_bitwise_equal(a, b, what=None):
+  """Asserts with chex that two trees are equal bit for bit, dtypes included.
+
+  chex.assert_trees_all_equal compares values (numpy's ==, which holds
+  -0.0 == 0.0 and NaN == NaN whatever the payload); unchanged here means every
+  bit unchanged, so the leaves are compared as unsigned integers.
+  """
+  chex.assert_trees_all_equal_dtypes(a, b, custom_message=what)
+  chex.assert_trees_all_equal_comparator(
+      lambda x, y: np.array_equal(_as_bits(x), _as_bits(y)),
+      lambda x, y: f"{x!r} and {y!r} differ bitwise", a, b, custom_message=what)
+
+
+def _as_bits(x):
+  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
   x = np.asarray(x)
-  return x.dtype.str.encode() + x.tobytes()
-
-
-def _assert_bitwise_equal(a, b, what):
-  pa, pb = _paths(a), _paths(b)
-  assert [p for p, _ in pa] == [p for p, _ in pb], what
-  for (path, x), (_, y) in zip(pa, pb):
-    assert _bits(x) == _bits(y), (
-        f"{what}{jax.tree_util.keystr(path)} changed: {x!r} -> {y!r}")
+  return x.view(f"u{x.itemsize}")
 
 
 def _nonfinite_paths(tree, init=None):
@@ -517,7 +526,8 @@ def _nonfinite_paths(tree, init=None):
 
 
 def _moved(before, after) -> bool:
-  return any(_bits(x) != _bits(y) for (_, x), (_, y) in zip(_paths(before), _paths(after))
+  return any(np.asarray(x).tobytes() != np.asarray(y).tobytes()
+             for (_, x), (_, y) in zip(_paths(before), _paths(after))
              if _is_float(np.asarray(x)))
 
 
@@ -579,7 +589,7 @@ def _check_step(case: Case, kind: int, progress: _Progress, t: int,
 
   # Integer and None leaves; float32 updates for every floating parameter.
   if "n" in new_params:
-    assert _bits(new_params["n"]) == _bits(h_params["n"]), where
+    _assert_bitwise_equal(new_params["n"], h_params["n"], where)
     assert h_updates["n"].dtype == np.int32 and not np.any(h_updates["n"]), where
     assert new_params["z"] is None and h_updates["z"] is None, where
   for key, u in h_updates.items():
@@ -590,11 +600,11 @@ def _check_step(case: Case, kind: int, progress: _Progress, t: int,
     _assert_bitwise_equal(h_params, new_params, f"{where}: skipped step, params")
     _assert_bitwise_equal(old.inner_state, new.inner_state,
                           f"{where}: skipped step, inner state")
-    assert _bits(old.grad_norm) == _bits(new.grad_norm), where
+    _assert_bitwise_equal(old.grad_norm, new.grad_norm, f"{where}: skipped step, grad_norm")
     for path, u in _paths(h_updates):
       if _is_float(u):
-        assert _bits(u) == _bits(np.full_like(u, -0.0)), (
-            f"{where}: skipped update {jax.tree_util.keystr(path)} is {u!r}")
+        _assert_bitwise_equal(u, np.full_like(u, -0.0),
+                              f"{where}: skipped update {jax.tree_util.keystr(path)}")
   else:
     assert kind in (CLEAN, HUGE), where
     if kind == HUGE:
@@ -618,14 +628,20 @@ def _check_step(case: Case, kind: int, progress: _Progress, t: int,
     assert not low, f"{where}: 16-bit inner state {low}"
 
 
-def _run(step, params0, states0, case, schedule, label, failures):
-  """Runs one schedule on every tree; records the first failure of each."""
+def _run(step, params0, states0, case, schedule, label, failures, compiled):
+  """Runs one schedule on every tree; records the first failure of each.
+
+  Appends to ``compiled`` the compilations the steps cause (and only those).
+  """
   params, opt_states = params0, states0
   h_params, h_states = _host((params, opt_states))
   ctx = {k: f"{label} on {k}" for k in params0}
   progress = {k: _Progress(ctx[k], h_states[k]) for k in params0}
   for t, kind in enumerate(schedule):
-    params, opt_states, updates = step(params, opt_states, jnp.int32(t), jnp.int32(kind))
+    args = (jnp.int32(t), jnp.int32(kind))  # jnp.int32 compiles a conversion once
+    with count_compilations() as now:
+      params, opt_states, updates = step(params, opt_states, *args)
+    compiled += now
     new_params, new_states, h_updates = _host((params, opt_states, updates))
     for k in params0:
       if ctx[k] in failures:
@@ -660,16 +676,17 @@ def test_fault_matrix(name):
   # state: one compiled step serves both.
   step = _make_step(next(iter(txs.values())), case)
   failures: dict[str, str] = {}
+  compiled = []
   for label, tx in txs.items():
     states0 = {kind: tx.init(p) for kind, p in params0.items()}
     for faults, schedule in _RUNS.items():
       _run(step, params0, states0, case, schedule, f"{_short(name)}, {label}, {faults}",
-           failures)
+           failures, compiled)
   if failures:
     runs = len(txs) * len(_RUNS) * len(TREES)
     report = "\n\n".join(f"[{ctx}] {msg}" for ctx, msg in sorted(failures.items()))
     pytest.fail(f"{len(failures)} of {runs} runs failed:\n\n{report}", pytrace=False)
-  assert step._cache_size() == 1
+  assert len(compiled) == 1
 
 
 # ---------------------------------------------------------------------------
@@ -786,7 +803,7 @@ def test_finite_update_that_overflows_a_float16_param_is_skipped():
   assert bool(state.skipped)
   assert bool(state.nonfinite.params) and not bool(state.nonfinite.grads)
   assert not bool(jnp.any(jnp.isinf(new_params["w"])))
-  assert _bits(new_params["w"]) == _bits(params["w"])
+  _assert_bitwise_equal(new_params["w"], params["w"])
   # The scale stays: the gradients were fine.
   assert float(state.loss_scale.loss_scale) == 0.5
 
@@ -842,7 +859,7 @@ def test_accumulation_with_an_overflowing_micro_batch_keeps_no_nan():
     assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(state.acc_grads)), t
     if t == 2:
       assert bool(state.skipped) and bool(state.nonfinite.grads)
-      assert _bits(params["w"]) == _bits(start["w"]) and _bits(params["h"]) == _bits(start["h"])
+      _assert_bitwise_equal(params, start, f"step {t}")
     if t == 5:
       assert not bool(state.skipped)
       assert int(state.skipped_steps) == 1
@@ -898,7 +915,7 @@ def test_complex_params_keep_their_imaginary_part_and_complex_nan_is_caught():
     state = jo.find_loss_scale_state(new_state)
     assert bool(state.skipped) and bool(state.nonfinite.grads), bad
     new_params = jo.apply_updates(params, updates)
-    assert _bits(new_params["c"]) == _bits(params["c"])
+    _assert_bitwise_equal(new_params["c"], params["c"], str(bad))
 
 
 def test_multisteps_around_the_guard_is_refused():

@@ -5,6 +5,7 @@ import dataclasses
 import re
 import warnings
 
+import chex
 import hypothesis
 from hypothesis import strategies as st
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
+from jmp_lite.testing import count_compilations
 
 F32 = np.dtype(jnp.float32)
 BF16 = np.dtype(jnp.bfloat16)
@@ -379,29 +381,35 @@ def test_jitted_step_with_changing_scale_compiles_once(cls):
   else:
     ls = cls(2.0 ** 10)
   seen = []
-  for i in range(8):
-    if cls is jmp_lite.StaticLossScale:
-      ls = cls(2.0 ** (i + 1))  # A new value every step.
-    seen.append(float(ls.loss_scale))
-    ls, out, finite = step(ls, bad if i % 3 == 2 else grads)
-    assert bool(finite) == (i % 3 != 2)
-    assert out["w"].dtype == F16 and out["b"].dtype == BF16
-    if bool(finite):
-      np.testing.assert_array_equal(np.asarray(out["w"], np.float32), [2.0 ** -10] * 3)
+  with count_compilations() as compiled:
+    for i in range(8):
+      if cls is jmp_lite.StaticLossScale:
+        ls = cls(2.0 ** (i + 1))  # A new value every step.
+      seen.append(float(ls.loss_scale))
+      ls, out, finite = step(ls, bad if i % 3 == 2 else grads)
+      assert bool(finite) == (i % 3 != 2)
+      assert out["w"].dtype == F16 and out["b"].dtype == BF16
+      if bool(finite):
+        np.testing.assert_array_equal(np.asarray(out["w"], np.float32), [2.0 ** -10] * 3)
   assert all(a != b for a, b in zip(seen, seen[1:]))  # A new scale every step.
-  assert step._cache_size() == 1
+  assert len(compiled) == 1
 
 
 def test_jmp_static_loss_scale_recompiles_for_each_value():
   # The deliberate difference: jmp's StaticLossScale value is in the treedef.
+  values, x = (2.0, 4.0, 8.0), jnp.ones(2)
   step = jax.jit(lambda ls, x: ls.scale(x))
-  for value in (2.0, 4.0, 8.0):
-    step(jmp.StaticLossScale(value), jnp.ones(2))
-  assert step._cache_size() == 3
+  theirs = [jmp.StaticLossScale(value) for value in values]
+  with count_compilations() as compiled:
+    for ls in theirs:
+      step(ls, x)
+  assert len(compiled) == 3
   ours = jax.jit(lambda ls, x: ls.scale(x))
-  for value in (2.0, 4.0, 8.0):
-    assert ours(jmp_lite.StaticLossScale(value), jnp.ones(2))[0] == value
-  assert ours._cache_size() == 1
+  mine = [jmp_lite.StaticLossScale(value) for value in values]
+  with count_compilations() as compiled:
+    outs = [ours(ls, x) for ls in mine]
+  assert [float(out[0]) for out in outs] == list(values)
+  assert len(compiled) == 1
 
 
 @pytest.mark.parametrize("make", [
@@ -511,18 +519,21 @@ def test_dynamic_trajectory_matches_jmp(seed):
   step = jax.jit(lambda ls, finite: ls.adjust(finite))
   jitted = ours
   hit_floor = False
+  compiled = []  # by the jitted steps only, not by the eager ones around them
   for finite in flags:
     flag = jnp.bool_(finite)
     with standard_promotion():
       theirs = theirs.adjust(flag)
     ours = ours.adjust(flag)
-    jitted = step(jitted, flag)
+    with count_compilations() as now:
+      jitted = step(jitted, flag)
+    compiled += now
     for ls in (ours, jitted):
       assert np.float32(ls.loss_scale) == np.float32(theirs.loss_scale)
       assert int(ls.counter) == int(theirs.counter)
     hit_floor |= float(ours.loss_scale) == min_scale
   assert hit_floor
-  assert step._cache_size() == 1
+  assert len(compiled) == 1
 
 
 # (loss_scale, counter, hysteresis_left) after each of the finite flags
@@ -557,12 +568,15 @@ def test_hysteresis_delays_backoff(consecutive):
   step = jax.jit(lambda ls, finite: ls.adjust(finite))
   eager = jitted = jmp_lite.DynamicLossScale(64.0, period=2, hysteresis=3,
                                              consecutive_hysteresis=consecutive)
+  compiled = []  # by the jitted steps only, not by the eager ones around them
   for n, (finite, want) in enumerate(zip(HYSTERESIS_FLAGS, HYSTERESIS_TRACES[consecutive])):
     eager = eager.adjust(jnp.bool_(finite))
-    jitted = step(jitted, np.bool_(finite))
+    with count_compilations() as now:
+      jitted = step(jitted, np.bool_(finite))
+    compiled += now
     for ls in (eager, jitted):
       assert (float(ls.loss_scale), int(ls.counter), int(ls.hysteresis_left)) == want, n
-  assert step._cache_size() == 1
+  assert len(compiled) == 1
 
 
 def test_max_loss_scale_caps_growth_and_overflow_keeps_scale():
@@ -716,7 +730,9 @@ def test_adjust_matches_model_unjitted(init, flags):
   assert bool(ls.consecutive_hysteresis) is init["consecutive_hysteresis"]
 
 
-_JIT_ADJUST = jax.jit(lambda ls, finite: ls.adjust(finite))
+# One compilation for every step of every example: chex counts the traces of
+# these module-level steps over the whole process, as their jit caches do.
+_JIT_ADJUST = jax.jit(chex.assert_max_traces(lambda ls, finite: ls.adjust(finite), n=1))
 
 
 @PROPERTY
@@ -728,11 +744,10 @@ def test_adjust_matches_model_jitted_step(init, flags):
     ls = _JIT_ADJUST(ls, np.bool_(finite))
     trajectory.append(ls)
   assert_matches_model(init, flags, states(trajectory))
-  # One compilation for every step of every example.
-  assert _JIT_ADJUST._cache_size() == 1
 
 
 @jax.jit
+@chex.assert_max_traces(n=1)
 def _scan_adjust(ls, flags):
   def body(ls, finite):
     ls = ls.adjust(finite)
@@ -749,7 +764,6 @@ def test_adjust_matches_model_in_scan(init, flags):
                                               np.asarray(lefts))))
   assert np.float32(final.loss_scale) == np.asarray(scales)[-1]
   assert np.float32(final.min_loss_scale) == np.float32(init["min_loss_scale"])
-  assert _scan_adjust._cache_size() == 1
 
 
 # all_finite.
@@ -910,11 +924,8 @@ def test_select_tree_as_jmp(jit):
     for flag in (jnp.bool_(pred), np.bool_(pred)):
       got = fn(flag, a, b)
       theirs = jmp.select_tree(jnp.bool_(pred), a, b)
-      assert jax.tree.structure(got) == jax.tree.structure(want)
-      for x, y, z in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(theirs)):
-        assert x.dtype == y.dtype == z.dtype
-        np.testing.assert_array_equal(x, y)
-        np.testing.assert_array_equal(x, z)
+      chex.assert_trees_all_equal_dtypes(got, want, theirs)
+      chex.assert_trees_all_equal(got, want, theirs)
   assert jmp_lite.select_tree(jnp.bool_(True), None, None) is None
   assert jmp_lite.select_tree(jnp.bool_(False), None, None) is None
 

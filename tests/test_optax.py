@@ -1,6 +1,7 @@
 """Tests of jmp_lite.optax: with_loss_scale, get_loss_scale, accumulation, clipping."""
 
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite import optax as jo
+from jmp_lite.testing import count_compilations
 
 
 
@@ -19,9 +21,25 @@ def _maybe_jit(f, jit):
   return jax.jit(f) if jit else f
 
 
-def _bits(tree):
-  """Leaves as raw bytes: equality is bitwise (-0.0 != +0.0, NaN == NaN)."""
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+def _assert_bitwise_equal(a, b, what=None):
+  """Asserts with chex that two trees are equal bit for bit, dtypes included.
+
+  chex.assert_trees_all_equal compares values (numpy's ==, which holds
+  -0.0 == 0.0 and NaN == NaN whatever the payload); unchanged here means every
+  bit unchanged, so the leaves are compared as unsigned integers.
+  """
+  chex.assert_trees_all_equal_dtypes(a, b, custom_message=what)
+  chex.assert_trees_all_equal_comparator(
+      lambda x, y: np.array_equal(_as_bits(x), _as_bits(y)),
+      lambda x, y: f"{x!r} and {y!r} differ bitwise", a, b, custom_message=what)
+
+
+def _as_bits(x):
+  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  x = np.asarray(x)
+  return x.view(f"u{x.itemsize}")
 
 
 def _reference_sgd(xs, poisoned, *, lr, scale, period, factor, min_scale, w0):
@@ -68,15 +86,19 @@ def test_matches_plain_python_dynamic_loss_scaling_over_long_overflow_pattern(ji
   step = _maybe_jit(step, jit)
   expected, skipped, final_scale = _reference_sgd(
       xs, poisoned, lr=lr, scale=2.0 ** 10, period=7, factor=2, min_scale=0.5, w0=w0)
+  compiled = []  # by step only, not by the checks around it
   for x, (scale, w) in zip(xs, expected):
     assert float(jo.get_loss_scale(opt_state).loss_scale) == scale
-    params, opt_state = step(params, opt_state, jnp.asarray(x))
+    x = jnp.asarray(x)
+    with count_compilations() as now:
+      params, opt_state = step(params, opt_state, x)
+    compiled += now
     np.testing.assert_array_equal(params["w"], w)
   state = jo.find_loss_scale_state(opt_state)
   assert int(state.skipped_steps) == skipped == poisoned.sum()
   assert float(state.loss_scale.loss_scale) == final_scale
   if jit:
-    assert step._cache_size() == 1
+    assert len(compiled) == 1
 
 
 def _adam_with_schedule():
@@ -102,8 +124,8 @@ def test_skip_freezes_the_whole_inner_state_and_params_bitwise(jit, bad):
   poisoned = {"w": good["w"].at[2].set(bad), "b": good["b"]}
   updates, opt_state2 = update(poisoned, opt_state, params)
   new_params = optax.apply_updates(params, updates)
-  assert _bits(new_params) == _bits(params)
-  assert _bits(jo.find_loss_scale_state(opt_state2).inner_state) == _bits(before[1])
+  _assert_bitwise_equal(new_params, params)
+  _assert_bitwise_equal(jo.find_loss_scale_state(opt_state2).inner_state, before[1])
   state = jo.find_loss_scale_state(opt_state2)
   assert bool(state.skipped) and int(state.skipped_steps) == 1
   assert float(state.loss_scale.loss_scale) == 2.0 ** 7
@@ -117,7 +139,7 @@ def test_skip_preserves_negative_zero_params():
   tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
   opt_state = tx.init(params)
   updates, _ = tx.update({"w": jnp.array([jnp.nan, 1.0])}, opt_state, params)
-  assert _bits(optax.apply_updates(params, updates)) == _bits(params)
+  _assert_bitwise_equal(optax.apply_updates(params, updates), params)
 
 
 @pytest.mark.usefixtures("standard_promotion")
@@ -127,17 +149,23 @@ def test_never_applies_non_finite_updates_even_after_many_consecutive_overflows(
   tx = jo.with_loss_scale(optax.adam(0.1), jmp_lite.DynamicLossScale(2.0 ** 15, period=3))
   opt_state = tx.init(params)
   step = jax.jit(tx.update)
+  overflow, clean = {"w": jnp.full((4,), jnp.inf, jnp.float32)}, {"w": jnp.ones(4)}
+  compiled = []  # by step only, not by apply_updates
   for _ in range(60):
-    updates, opt_state = step({"w": jnp.full((4,), jnp.inf, jnp.float32)}, opt_state, params)
+    with count_compilations() as now:
+      updates, opt_state = step(overflow, opt_state, params)
+    compiled += now
     params = optax.apply_updates(params, updates)
   np.testing.assert_array_equal(params["w"], jnp.arange(4.0))
-  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(opt_state))
+  chex.assert_tree_all_finite(opt_state)
   state = jo.find_loss_scale_state(opt_state)
   assert int(state.skipped_steps) == 60 and float(state.loss_scale.loss_scale) == 1.0
-  for _ in range(6):  # recovers: grows every `period` clean steps
-    updates, opt_state = step({"w": jnp.ones(4)}, opt_state, params)
+  with count_compilations() as now:
+    for _ in range(6):  # recovers: grows every `period` clean steps
+      updates, opt_state = step(clean, opt_state, params)
+  compiled += now
   assert float(jo.get_loss_scale(opt_state).loss_scale) == 4.0
-  assert step._cache_size() == 1
+  assert len(compiled) == 1
 
 
 @JIT
@@ -152,8 +180,7 @@ def test_clipping_sees_unscaled_gradients(jit):
   updates, state = _maybe_jit(tx.update, jit)(scaled, tx.init(params), params)
   ref_tx = optax.chain(optax.clip_by_global_norm(1.5), optax.sgd(1.0))
   ref, _ = ref_tx.update(true, ref_tx.init(params), params)
-  for u, r in zip(jax.tree.leaves(updates), jax.tree.leaves(ref)):
-    np.testing.assert_allclose(u, r, rtol=2e-6)
+  chex.assert_trees_all_close(updates, ref, rtol=2e-6)
   np.testing.assert_allclose(optax.tree.norm(updates), 1.5, rtol=1e-6)
   np.testing.assert_allclose(jo.find_loss_scale_state(state).grad_norm,
                              optax.tree.norm(true), rtol=1e-6)
@@ -176,8 +203,7 @@ def test_updates_come_back_in_param_dtype():
   tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.StaticLossScale(2.0))
   updates, state = tx.update(grads, tx.init(params), params)
   assert updates["w"].dtype == jnp.float32
-  assert jax.tree.map(lambda x: x.dtype, state) == jax.tree.map(
-      lambda x: x.dtype, tx.init(params))
+  chex.assert_trees_all_equal_dtypes(state, tx.init(params))
 
 
 @JIT

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from typing import NamedTuple
 
+import chex
 import flax.core
 import hypothesis
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
+from jmp_lite.testing import count_compilations
 
 F32 = np.dtype(jnp.float32)
 BF16 = np.dtype(jnp.bfloat16)
@@ -170,13 +172,15 @@ def test_policy_as_static_jit_argument_compiles_once_per_policy():
 
   apply = jax.jit(apply, static_argnums=1)
   x = jnp.ones(3)
-  for spelling in SPELLINGS:
-    out = apply(x, jmp_lite.Policy(*spelling))
-    assert out.dtype == F16
-    np.testing.assert_array_equal(np.asarray(out, np.float32), 2 * np.ones(3))
-  assert apply._cache_size() == 1
-  assert apply(x, jmp_lite.Policy(F32, BF16, BF16)).dtype == BF16
-  assert apply._cache_size() == 2
+  with count_compilations() as compiled:
+    for spelling in SPELLINGS:
+      out = apply(x, jmp_lite.Policy(*spelling))
+      assert out.dtype == F16
+      np.testing.assert_array_equal(np.asarray(out, np.float32), 2 * np.ones(3))
+  assert len(compiled) == 1
+  with count_compilations() as compiled:
+    assert apply(x, jmp_lite.Policy(F32, BF16, BF16)).dtype == BF16
+  assert len(compiled) == 1  # another policy: one more compilation
 
 
 @pytest.mark.parametrize(
@@ -228,8 +232,8 @@ def test_cast_under_jit_casts_tracers(dtype, method):
     out = jax.jit(cast)(tree)
     assert seen and all(seen)
     assert jax.tree.structure(out) == jax.tree.structure(tree)
-    expected = jax.tree.map(lambda x: x.dtype, getattr(policy, method)(tree))
-    assert jax.tree.map(lambda x: x.dtype, out) == expected
+    expected = getattr(policy, method)(tree)
+    chex.assert_trees_all_equal_dtypes(out, expected)
     for name in FLOATING + ("named",):
       assert jax.tree.leaves(out[name])[0].dtype == dtype
     for name in ("int", "bool", "legacy_key", "fp8", "fp8_e5m2"):
@@ -238,7 +242,7 @@ def test_cast_under_jit_casts_tracers(dtype, method):
     assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
     # Shapes and dtypes without computing anything.
     shapes = jax.eval_shape(getattr(policy, method), tree)
-    assert jax.tree.map(lambda x: x.dtype, shapes) == expected
+    chex.assert_trees_all_equal_dtypes(shapes, expected)
 
 
 def test_cast_inside_jit_matches_jmp_for_scalars():

@@ -1,5 +1,6 @@
 """Tests of jmp_lite.rounding: stochastic_round, kahan_summation, with_state_dtype."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,27 @@ def _apply(params, updates):
   # bf16 params + f32 updates: standard promotion, as documented.
   with jax.numpy_dtype_promotion("standard"):
     return optax.apply_updates(params, updates)
+
+
+def _assert_bitwise_equal(a, b, what=None):
+  """Asserts with chex that two trees are equal bit for bit, dtypes included.
+
+  chex.assert_trees_all_equal compares values (numpy's ==, which holds
+  -0.0 == 0.0 and NaN == NaN whatever the payload); unchanged here means every
+  bit unchanged, so the leaves are compared as unsigned integers.
+  """
+  chex.assert_trees_all_equal_dtypes(a, b, custom_message=what)
+  chex.assert_trees_all_equal_comparator(
+      lambda x, y: np.array_equal(_as_bits(x), _as_bits(y)),
+      lambda x, y: f"{x!r} and {y!r} differ bitwise", a, b, custom_message=what)
+
+
+def _as_bits(x):
+  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  x = np.asarray(x)
+  return x.view(f"u{x.itemsize}")
 
 
 def _ulp(x, dtype):
@@ -115,14 +137,13 @@ def test_stochastic_round_tracks_the_same_long_sum_on_average():
 def test_with_state_dtype_keeps_state_dtypes_across_updates(jit, inner):
   params = {"w": jnp.ones((5, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.bfloat16)}
   tx = jo.with_state_dtype(inner(), jnp.bfloat16)
-  state = tx.init(params)
-  dtypes = jax.tree.map(lambda x: x.dtype, state)
+  state0 = state = tx.init(params)
   update = _maybe_jit(tx.update, jit)
   with jax.numpy_dtype_promotion("standard"):  # optax's Adam: b1 ** count
     for _ in range(3):
       updates, state = update(jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params),
                               state, params)
-  assert jax.tree.map(lambda x: x.dtype, state) == dtypes
+  chex.assert_trees_all_equal_dtypes(state, state0)
   arrays = [x for x in jax.tree.leaves(state) if x.ndim >= 1]
   assert arrays and all(x.dtype == jnp.bfloat16 for x in arrays)
   assert all(u.dtype == jnp.float32 for u in jax.tree.leaves(updates))
@@ -150,13 +171,8 @@ def test_skipped_steps_do_not_advance_the_key_or_change_the_buffer(make):
   poisoned = {"w": jnp.full(8, 2.0, jnp.bfloat16).at[3].set(jnp.nan)}
   updates, state = update(poisoned, state, params)
   assert bool(jo.find_loss_scale_state(state).skipped)
-  after = jo.find_loss_scale_state(state).inner_state
-  for a, b in zip(jax.tree.leaves(inner_before), jax.tree.leaves(after)):
-    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-      a, b = jax.random.key_data(a), jax.random.key_data(b)
-    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-  new = _apply(params, updates)
-  assert np.asarray(new["w"]).tobytes() == np.asarray(params["w"]).tobytes()
+  _assert_bitwise_equal(jo.find_loss_scale_state(state).inner_state, inner_before)
+  _assert_bitwise_equal(_apply(params, updates), params)
 
 
 def test_rounding_transforms_need_params():

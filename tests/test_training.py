@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jmp_lite
+from jmp_lite.testing import count_compilations
 
 
 
@@ -33,6 +35,27 @@ def _params():
   return {"w1": jax.random.normal(k1, (4, 8)), "w2": jax.random.normal(k2, (8, 2))}
 
 
+def _assert_bitwise_equal(a, b, what=None):
+  """Asserts with chex that two trees are equal bit for bit, dtypes included.
+
+  chex.assert_trees_all_equal compares values (numpy's ==, which holds
+  -0.0 == 0.0 and NaN == NaN whatever the payload); unchanged here means every
+  bit unchanged, so the leaves are compared as unsigned integers.
+  """
+  chex.assert_trees_all_equal_dtypes(a, b, custom_message=what)
+  chex.assert_trees_all_equal_comparator(
+      lambda x, y: np.array_equal(_as_bits(x), _as_bits(y)),
+      lambda x, y: f"{x!r} and {y!r} differ bitwise", a, b, custom_message=what)
+
+
+def _as_bits(x):
+  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  x = np.asarray(x)
+  return x.view(f"u{x.itemsize}")
+
+
 @JIT
 @pytest.mark.parametrize("loss_scale", [jmp_lite.NoOpLossScale(), jmp_lite.StaticLossScale(2.0 ** 10),
                                         jmp_lite.DynamicLossScale(2.0 ** 15)])
@@ -43,9 +66,8 @@ def test_value_and_grad_unscales_with_the_scale_used(jit, loss_scale):
   ref_loss, ref_grads = _maybe_jit(jax.value_and_grad(_loss), jit)(params, x)
   assert loss.dtype == jnp.float32 and finite.dtype == jnp.bool_ and finite.shape == ()
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-    # Power-of-two scales are exact: only XLA's fusion choices may differ.
-    np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+  # Power-of-two scales are exact: only XLA's fusion choices may differ.
+  chex.assert_trees_all_close(grads, ref_grads, rtol=1e-6, atol=1e-6)
   assert bool(finite)
 
 
@@ -101,9 +123,12 @@ def test_mindspore_flow_matches_reference_and_compiles_once():
     return params, opt_state, loss_scale, loss
 
   w, scale, counter = np.ones(3, np.float32), 2.0 ** 4, 0
+  compiled = []  # by train_step only, not by the checks around it
   for i in range(20):
     x = np.array([1.0, 2.0, 3.0], np.float32) * (np.inf if i % 5 == 3 else 1.0)
-    params, opt_state, loss_scale, _ = train_step(params, opt_state, loss_scale, x)
+    with count_compilations() as now:
+      params, opt_state, loss_scale, _ = train_step(params, opt_state, loss_scale, x)
+    compiled += now
     if i % 5 == 3:
       scale, counter = max(1.0, scale / 2), 0
     else:
@@ -114,7 +139,7 @@ def test_mindspore_flow_matches_reference_and_compiles_once():
     # XLA may fuse `w - lr * g` into one fused multiply-add: 1 ulp apart.
     np.testing.assert_array_max_ulp(params["w"], w, maxulp=1)
     assert float(loss_scale.loss_scale) == scale
-  assert train_step._cache_size() == 1
+  assert len(compiled) == 1
 
 
 def _state(loss_scale=None, policy=None, tx=None):
@@ -135,28 +160,31 @@ def _train_step(state, x, poison):
 @pytest.mark.usefixtures("standard_promotion")
 def test_train_state_minimize_skips_and_counts(jit):
   state = _state(policy="p=f32,c=bf16,o=f32")
-  step = _maybe_jit(_train_step, jit)
-  x = jnp.ones((3, 4))
-  state, info = step(state, x, jnp.float32(1.0))
+  # A function of its own: jit's compilations of _train_step are shared by
+  # every jax.jit(_train_step), here and in other tests.
+  step = _maybe_jit(lambda *args: _train_step(*args), jit)
+  x, one, inf = jnp.ones((3, 4)), jnp.float32(1.0), jnp.float32(jnp.inf)
+  with count_compilations() as compiled:
+    state, info = step(state, x, one)
   assert not bool(info.skipped) and float(info.loss_scale) == 2.0 ** 15
   before = state
-  state, info = step(state, x, jnp.float32(jnp.inf))
+  with count_compilations() as compiled_again:
+    state, info = step(state, x, inf)
   assert bool(info.skipped)
   assert int(state.step) == 2 and int(state.loss_scale_state.skipped_steps) == 1
-  assert all(bool(jnp.array_equal(a, b)) for a, b in
-             zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params)))
+  _assert_bitwise_equal(state.params, before.params)
   assert float(state.loss_scale.loss_scale) == 2.0 ** 14
   assert jax.tree.map(lambda p: p.dtype, state.params) == {"w1": jnp.float32, "w2": jnp.float32}
   if jit:
-    assert step._cache_size() == 1
+    assert len(compiled) == 1 and not compiled_again
 
 
 def test_train_state_apply_gradients_takes_scaled_gradients():
   state = _state(loss_scale=jmp_lite.StaticLossScale(8.0), tx=optax.sgd(1.0))
   scaled = jax.tree.map(lambda p: jnp.ones_like(p) * 8.0, state.params)
   new = state.apply_gradients(grads=scaled)
-  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params)):
-    np.testing.assert_allclose(a, b - 1.0)
+  chex.assert_trees_all_close(new.params, jax.tree.map(lambda p: p - 1.0, state.params),
+                              rtol=1e-7)  # np.testing.assert_allclose's default
 
 
 def _run(state, n, start=0):
@@ -190,9 +218,7 @@ def test_checkpoint_resume_is_bit_exact_in_a_fresh_process(tmp_path):
   resumed = np.load(tmp_path / "out.npz")
   leaves = jax.tree.leaves(straight)
   assert len(resumed.files) == len(leaves)
-  for i, leaf in enumerate(leaves):
-    np.testing.assert_array_equal(resumed[f"arr_{i}"], np.asarray(leaf))
-    assert resumed[f"arr_{i}"].dtype == np.asarray(leaf).dtype
+  _assert_bitwise_equal([resumed[f"arr_{i}"] for i in range(len(leaves))], leaves)
   assert int(straight.loss_scale_state.skipped_steps) == 3
 
 
@@ -213,5 +239,4 @@ def test_o1_policy_autocasts_the_whole_differentiated_step():
   assert bool(finite) and loss.dtype == jnp.float32
   assert jax.tree.map(lambda g: g.dtype, grads) == {"w1": jnp.float32, "w2": jnp.float32}
   np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
-  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-    np.testing.assert_allclose(g, r, rtol=5e-2, atol=5e-3)
+  chex.assert_trees_all_close(grads, ref_grads, rtol=5e-2, atol=5e-3)

@@ -7,6 +7,7 @@ policies, every matmul bf16/f16 x bf16/f16 -> float32 (`jmp_lite.audit`), the
 policy overriding the layers' own ``dtype=jnp.float32``.
 """
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -116,8 +117,7 @@ def test_variables_are_the_models_both_ways(name, policy):
   mine, theirs = wrapped.init(key, *args), model.init(key, *args)
   assert _shapes(mine) == _shapes(theirs)
   # Same initial values: the parameter policy is float32.
-  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(mine, theirs)
   out = jax.jit(wrapped.apply)(theirs, *args)
   ref = jax.jit(model.apply)(theirs, *args)
   assert out.dtype == ref.dtype == jnp.float32
