@@ -1,9 +1,11 @@
-"""Test utilities for mixed-precision training: fault injection and a compile-count check.
+"""Test utilities: fault injection, a compile-count check, a multi-process harness.
 
 `inject_nonfinite` poisons gradients (NaN, +inf or -inf) at chosen steps, in
 chosen or random leaves, inside ``jit`` with the step number traced, so a
 training loop can prove that its bad steps are skipped and leave nothing
-behind. `assert_single_compile` proves that a step function compiles once.
+behind. `assert_trees_bitwise_equal` checks what "nothing behind" means: every
+bit of every leaf unchanged. `assert_single_compile` proves that a step
+function compiles once.
 
 Example: a jitted step that survives an overflow at steps 3 and 7::
 
@@ -12,6 +14,11 @@ Example: a jitted step that survives an overflow at steps 3 and 7::
       grads = grad_fn(state.params, batch)               # scaled gradients
       grads = inject_nonfinite(grads, step, at_steps=[3, 7], value="inf")
       return state.apply_gradients(grads=grads)          # skips steps 3 and 7
+
+`run_processes` runs a worker script as N processes of K CPU devices each,
+joined into one JAX runtime by `initialize_worker`, and collects what each
+sent with `report_result`: multi-process data parallelism, tested on one
+machine (implemented in ``jmp_lite/_launch.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +31,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._dtypes import is_floating
+from jmp_lite._launch import initialize_worker
+from jmp_lite._launch import MultiProcessError
+from jmp_lite._launch import ProcessResult
+from jmp_lite._launch import report_result
+from jmp_lite._launch import run_processes
 
 __all__ = (
+    "assert_trees_bitwise_equal",
     "inject_nonfinite",
     "count_compilations",
     "assert_single_compile",
+    "run_processes",
+    "ProcessResult",
+    "MultiProcessError",
+    "initialize_worker",
+    "report_result",
 )
 
 T = TypeVar("T")
@@ -350,3 +368,50 @@ def assert_single_compile(
         f"step_fn compiled {len(compiled)} more time(s) after its first step "
         f"(over {n_steps - 1} further steps).")
   return out
+
+
+def _as_bits(x: Any) -> np.ndarray:
+  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  x = np.asarray(x)
+  return x.view(f"u{x.itemsize}") if x.dtype.itemsize in (1, 2, 4, 8) else x
+
+
+def assert_trees_bitwise_equal(a: Any, b: Any, custom_message: Optional[str] = None) -> None:
+  """Asserts that two pytrees are equal bit for bit: structure, dtypes, bits.
+
+  A skipped step must leave parameters and optimizer state exactly as they
+  were. Value equality (``np.array_equal``, ``chex.assert_trees_all_equal``)
+  misses what matters there: it holds ``-0.0 == 0.0`` and, with
+  ``equal_nan``, any NaN equal to any other. Here each leaf is compared as the
+  unsigned integers of its width, after its dtype and shape.
+
+  Raises:
+    AssertionError: naming the first differing leaf's pytree path.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> assert_trees_bitwise_equal({"w": jnp.zeros(2)}, {"w": jnp.zeros(2)})
+    >>> try:
+    ...   assert_trees_bitwise_equal({"w": jnp.zeros(2)}, {"w": -jnp.zeros(2)})
+    ... except AssertionError as e:
+    ...   print(e)
+    ['w']: differ bitwise at 2 of 2 elements
+  """
+  prefix = f"{custom_message}: " if custom_message else ""
+  leaves_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+  leaves_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
+  if tree_a != tree_b:
+    raise AssertionError(f"{prefix}tree structures differ: {tree_a} vs {tree_b}")
+  for (path, x), (_, y) in zip(leaves_a, leaves_b):
+    where = jax.tree_util.keystr(path) or "the tree"
+    dx, dy = getattr(x, "dtype", type(x)), getattr(y, "dtype", type(y))
+    if dx != dy or np.shape(x) != np.shape(y):
+      raise AssertionError(f"{prefix}{where}: {dx}{list(np.shape(x))} vs "
+                           f"{dy}{list(np.shape(y))}")
+    bx, by = _as_bits(x), _as_bits(y)
+    if bx.shape != by.shape or not np.array_equal(bx, by):
+      differ = int(np.sum(bx != by)) if bx.shape == by.shape else "all"
+      raise AssertionError(f"{prefix}{where}: differ bitwise at {differ} of "
+                           f"{bx.size} elements")

@@ -159,7 +159,9 @@ PUBLIC_MODULES = {
     "rounding": {"stored_params", "StochasticRoundState", "stochastic_round",
                  "KahanState", "kahan_summation", "with_state_dtype"},
     "testing": {"inject_nonfinite", "count_compilations",
-                "assert_single_compile"},
+                "assert_single_compile", "assert_trees_bitwise_equal",
+                "run_processes", "ProcessResult", "MultiProcessError",
+                "initialize_worker", "report_result"},
     "training": {"value_and_grad", "StepInfo", "TrainState"},
 }
 

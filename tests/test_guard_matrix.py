@@ -21,7 +21,6 @@ import inspect
 import warnings
 from typing import Callable, Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +31,7 @@ import pytest
 import jmp_lite
 from jmp_lite import optax as jo
 from jmp_lite.testing import count_compilations, inject_nonfinite
+from jmp_lite.testing import assert_trees_bitwise_equal
 
 _LR = 1e-3
 _TARGET = 0.25
@@ -478,27 +478,6 @@ def _paths(tree):
   return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-def _assert_bitwise_equal(a, b, what=None):
-  """Asserts with chex that two trees are equal bit for bit, dtypes included.
-
-  chex.assert_trees_all_equal compares values (numpy's ==, which holds
-  -0.0 == 0.0 and NaN == NaN whatever the payload); unchanged here means every
-  bit unchanged, so the leaves are compared as unsigned integers.
-  """
-  chex.assert_trees_all_equal_dtypes(a, b, custom_message=what)
-  chex.assert_trees_all_equal_comparator(
-      lambda x, y: np.array_equal(_as_bits(x), _as_bits(y)),
-      lambda x, y: f"{x!r} and {y!r} differ bitwise", a, b, custom_message=what)
-
-
-def _as_bits(x):
-  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  x = np.asarray(x)
-  return x.view(f"u{x.itemsize}")
-
-
 def _nonfinite_paths(tree, init=None):
   """Paths of inexact leaves with NaN or inf, except sentinels kept from ``init``.
 
@@ -589,7 +568,7 @@ def _check_step(case: Case, kind: int, progress: _Progress, t: int,
 
   # Integer and None leaves; float32 updates for every floating parameter.
   if "n" in new_params:
-    _assert_bitwise_equal(new_params["n"], h_params["n"], where)
+    assert_trees_bitwise_equal(new_params["n"], h_params["n"], where)
     assert h_updates["n"].dtype == np.int32 and not np.any(h_updates["n"]), where
     assert new_params["z"] is None and h_updates["z"] is None, where
   for key, u in h_updates.items():
@@ -597,13 +576,13 @@ def _check_step(case: Case, kind: int, progress: _Progress, t: int,
       assert u.dtype == np.float32, f"{where}: update {key} is {u.dtype}"
 
   if skipped:
-    _assert_bitwise_equal(h_params, new_params, f"{where}: skipped step, params")
-    _assert_bitwise_equal(old.inner_state, new.inner_state,
+    assert_trees_bitwise_equal(h_params, new_params, f"{where}: skipped step, params")
+    assert_trees_bitwise_equal(old.inner_state, new.inner_state,
                           f"{where}: skipped step, inner state")
-    _assert_bitwise_equal(old.grad_norm, new.grad_norm, f"{where}: skipped step, grad_norm")
+    assert_trees_bitwise_equal(old.grad_norm, new.grad_norm, f"{where}: skipped step, grad_norm")
     for path, u in _paths(h_updates):
       if _is_float(u):
-        _assert_bitwise_equal(u, np.full_like(u, -0.0),
+        assert_trees_bitwise_equal(u, np.full_like(u, -0.0),
                               f"{where}: skipped update {jax.tree_util.keystr(path)}")
   else:
     assert kind in (CLEAN, HUGE), where
@@ -803,7 +782,7 @@ def test_finite_update_that_overflows_a_float16_param_is_skipped():
   assert bool(state.skipped)
   assert bool(state.nonfinite.params) and not bool(state.nonfinite.grads)
   assert not bool(jnp.any(jnp.isinf(new_params["w"])))
-  _assert_bitwise_equal(new_params["w"], params["w"])
+  assert_trees_bitwise_equal(new_params["w"], params["w"])
   # The scale stays: the gradients were fine.
   assert float(state.loss_scale.loss_scale) == 0.5
 
@@ -859,7 +838,7 @@ def test_accumulation_with_an_overflowing_micro_batch_keeps_no_nan():
     assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(state.acc_grads)), t
     if t == 2:
       assert bool(state.skipped) and bool(state.nonfinite.grads)
-      _assert_bitwise_equal(params, start, f"step {t}")
+      assert_trees_bitwise_equal(params, start, f"step {t}")
     if t == 5:
       assert not bool(state.skipped)
       assert int(state.skipped_steps) == 1
@@ -915,7 +894,7 @@ def test_complex_params_keep_their_imaginary_part_and_complex_nan_is_caught():
     state = jo.find_loss_scale_state(new_state)
     assert bool(state.skipped) and bool(state.nonfinite.grads), bad
     new_params = jo.apply_updates(params, updates)
-    _assert_bitwise_equal(new_params["c"], params["c"], str(bad))
+    assert_trees_bitwise_equal(new_params["c"], params["c"], str(bad))
 
 
 def test_multisteps_around_the_guard_is_refused():

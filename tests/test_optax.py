@@ -11,6 +11,7 @@ import pytest
 import jmp_lite
 from jmp_lite import optax as jo
 from jmp_lite.testing import count_compilations
+from jmp_lite.testing import assert_trees_bitwise_equal
 
 
 
@@ -19,27 +20,6 @@ JIT = pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
 
 def _maybe_jit(f, jit):
   return jax.jit(f) if jit else f
-
-
-def _assert_bitwise_equal(a, b, what=None):
-  """Asserts with chex that two trees are equal bit for bit, dtypes included.
-
-  chex.assert_trees_all_equal compares values (numpy's ==, which holds
-  -0.0 == 0.0 and NaN == NaN whatever the payload); unchanged here means every
-  bit unchanged, so the leaves are compared as unsigned integers.
-  """
-  chex.assert_trees_all_equal_dtypes(a, b, custom_message=what)
-  chex.assert_trees_all_equal_comparator(
-      lambda x, y: np.array_equal(_as_bits(x), _as_bits(y)),
-      lambda x, y: f"{x!r} and {y!r} differ bitwise", a, b, custom_message=what)
-
-
-def _as_bits(x):
-  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  x = np.asarray(x)
-  return x.view(f"u{x.itemsize}")
 
 
 def _reference_sgd(xs, poisoned, *, lr, scale, period, factor, min_scale, w0):
@@ -124,8 +104,8 @@ def test_skip_freezes_the_whole_inner_state_and_params_bitwise(jit, bad):
   poisoned = {"w": good["w"].at[2].set(bad), "b": good["b"]}
   updates, opt_state2 = update(poisoned, opt_state, params)
   new_params = optax.apply_updates(params, updates)
-  _assert_bitwise_equal(new_params, params)
-  _assert_bitwise_equal(jo.find_loss_scale_state(opt_state2).inner_state, before[1])
+  assert_trees_bitwise_equal(new_params, params)
+  assert_trees_bitwise_equal(jo.find_loss_scale_state(opt_state2).inner_state, before[1])
   state = jo.find_loss_scale_state(opt_state2)
   assert bool(state.skipped) and int(state.skipped_steps) == 1
   assert float(state.loss_scale.loss_scale) == 2.0 ** 7
@@ -139,7 +119,7 @@ def test_skip_preserves_negative_zero_params():
   tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.StaticLossScale(4.0))
   opt_state = tx.init(params)
   updates, _ = tx.update({"w": jnp.array([jnp.nan, 1.0])}, opt_state, params)
-  _assert_bitwise_equal(optax.apply_updates(params, updates), params)
+  assert_trees_bitwise_equal(optax.apply_updates(params, updates), params)
 
 
 @pytest.mark.usefixtures("standard_promotion")

@@ -9,6 +9,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite import optax as jo
+from jmp_lite.testing import assert_trees_bitwise_equal
 
 JIT = pytest.mark.parametrize("jit", [True, False], ids=["jit", "nojit"])
 LOW = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -22,27 +23,6 @@ def _apply(params, updates):
   # bf16 params + f32 updates: standard promotion, as documented.
   with jax.numpy_dtype_promotion("standard"):
     return optax.apply_updates(params, updates)
-
-
-def _assert_bitwise_equal(a, b, what=None):
-  """Asserts with chex that two trees are equal bit for bit, dtypes included.
-
-  chex.assert_trees_all_equal compares values (numpy's ==, which holds
-  -0.0 == 0.0 and NaN == NaN whatever the payload); unchanged here means every
-  bit unchanged, so the leaves are compared as unsigned integers.
-  """
-  chex.assert_trees_all_equal_dtypes(a, b, custom_message=what)
-  chex.assert_trees_all_equal_comparator(
-      lambda x, y: np.array_equal(_as_bits(x), _as_bits(y)),
-      lambda x, y: f"{x!r} and {y!r} differ bitwise", a, b, custom_message=what)
-
-
-def _as_bits(x):
-  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  x = np.asarray(x)
-  return x.view(f"u{x.itemsize}")
 
 
 def _ulp(x, dtype):
@@ -171,8 +151,8 @@ def test_skipped_steps_do_not_advance_the_key_or_change_the_buffer(make):
   poisoned = {"w": jnp.full(8, 2.0, jnp.bfloat16).at[3].set(jnp.nan)}
   updates, state = update(poisoned, state, params)
   assert bool(jo.find_loss_scale_state(state).skipped)
-  _assert_bitwise_equal(jo.find_loss_scale_state(state).inner_state, inner_before)
-  _assert_bitwise_equal(_apply(params, updates), params)
+  assert_trees_bitwise_equal(jo.find_loss_scale_state(state).inner_state, inner_before)
+  assert_trees_bitwise_equal(_apply(params, updates), params)
 
 
 def test_rounding_transforms_need_params():

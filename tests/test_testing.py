@@ -8,6 +8,7 @@ with parameters in float32, bfloat16 and float16.
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from sklearn.datasets import load_digits
 
 import jmp_lite
 from jmp_lite.testing import assert_single_compile, count_compilations, inject_nonfinite
+from jmp_lite.testing import assert_trees_bitwise_equal
 
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e5m2, jnp.float8_e4m3fn]
 VALUES = {"nan": np.isnan, "inf": lambda x: np.isposinf(x), "-inf": np.isneginf}
@@ -42,9 +44,12 @@ def test_inject_poisons_every_float_dtype_on_the_chosen_steps_only(dtype, value)
   grads = _grads(dtype)
   f = jax.jit(lambda g, s: inject_nonfinite(g, s, at_steps=[2, 5], value=value,
                                             leaves=["['dense']['kernel']"]))
+  compiled = []  # by f only, not by the eager checks around it
   for step in range(7):
-    out = f(grads, step)
-    assert jax.tree.map(lambda x: x.dtype, out) == jax.tree.map(lambda x: x.dtype, grads)
+    with count_compilations() as now:
+      out = f(grads, step)
+    compiled += now
+    chex.assert_trees_all_equal_dtypes(out, grads)
     kernel = _host(out["dense"]["kernel"]).ravel()
     if step in (2, 5):
       # float8_e4m3fn has no infinity: it gets NaN.
@@ -53,12 +58,11 @@ def test_inject_poisons_every_float_dtype_on_the_chosen_steps_only(dtype, value)
       assert not bool(jmp_lite.all_finite(out))
     else:
       assert bool(jmp_lite.all_finite(out))
-      assert np.asarray(out["dense"]["kernel"]).tobytes() == np.asarray(
-          grads["dense"]["kernel"]).tobytes()
+      assert_trees_bitwise_equal(out["dense"]["kernel"], grads["dense"]["kernel"])
     # The other leaves are never touched.
     for name in ("out", "count"):
-      assert np.asarray(out[name]).tobytes() == np.asarray(grads[name]).tobytes()
-  assert f._cache_size() == 1  # the step is traced: one compilation for all steps
+      assert_trees_bitwise_equal(out[name], grads[name])
+  assert len(compiled) == 1  # the step is traced: one compilation for all steps
 
 
 def test_inject_random_leaf_and_element_is_one_element_reproducible_and_varies():
@@ -75,9 +79,7 @@ def test_inject_random_leaf_and_element_is_one_element_reproducible_and_varies()
     assert len(bad) == 1
     hits.add(bad[0][:2])
     kinds.add("nan" if np.isnan(bad[0][2]) else ("+inf" if bad[0][2] > 0 else "-inf"))
-    again = f(grads, step)
-    assert [np.asarray(x).tobytes() for x in jax.tree.leaves(again)] == [
-        np.asarray(x).tobytes() for x in jax.tree.leaves(out)]
+    assert_trees_bitwise_equal(f(grads, step), out)
   assert {h[0] for h in hits} == {"['dense']['bias']", "['dense']['kernel']", "['out']"}
   assert len(hits) > 8 and kinds == {"nan", "+inf", "-inf"}
 
@@ -202,10 +204,6 @@ def _reference_scales(n_steps, poisoned, *, scale, period, cap, floor=1.0):
   return scales
 
 
-def _bits(tree):
-  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
 def _all_finite_host(tree):
   return all(np.isfinite(_host(x)).all() for x in jax.tree.leaves(tree)
              if jnp.issubdtype(np.asarray(x).dtype, jnp.floating))
@@ -258,13 +256,15 @@ def test_training_run_skips_exactly_the_poisoned_steps(param_dtype):
       if step in POISONED:
         # Bitwise frozen: params, the whole inner optimizer state (momentum,
         # schedule count) and the last applied step's gradient norm.
-        assert _bits(state.params) == _bits(before.params), step
-        assert _bits(info.inner_state) == _bits(before.loss_scale_state.inner_state), step
-        assert _bits(info.grad_norm) == _bits(before.loss_scale_state.grad_norm), step
+        assert_trees_bitwise_equal(state.params, before.params, f"step {step}")
+        assert_trees_bitwise_equal(info.inner_state, before.loss_scale_state.inner_state,
+                              f"step {step}")
+        assert_trees_bitwise_equal(info.grad_norm, before.loss_scale_state.grad_norm,
+                              f"step {step}")
       else:
-        assert _bits(state.params) != _bits(before.params), step
-      assert jax.tree.map(lambda p: p.dtype, state.params) == jax.tree.map(
-          lambda p: p.dtype, before.params)
+        with pytest.raises(AssertionError, match="differ bitwise"):
+          assert_trees_bitwise_equal(state.params, before.params)  # the step moved them
+      chex.assert_trees_all_equal_dtypes(state.params, before.params)
   assert len(compiled) <= 2  # the step once; the first batch's transfer at most
   assert int(state.loss_scale_state.skipped_steps) == len(POISONED)
   assert int(state.step) == N_STEPS
@@ -276,3 +276,87 @@ def test_training_run_skips_exactly_the_poisoned_steps(param_dtype):
                        policy.cast_to_compute(jnp.asarray(x_test)))
   accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
   assert accuracy > 0.8, accuracy
+
+
+# ------------------------------------------- the multi-process harness's API
+# What needs no process; tests/test_multihost.py launches processes.
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(target="no/such/worker.py"), FileNotFoundError, "no worker script at"),
+    (dict(target="not a module"), TypeError, "path of a .py script or a module name"),
+    (dict(target=3), TypeError, "path of a .py script or a module name"),
+    (dict(num_processes=0), ValueError, "num_processes must be an int >= 1"),
+    (dict(devices_per_process=True), ValueError, "devices_per_process must be an int"),
+    (dict(timeout=0), ValueError, "timeout must be a number of seconds > 0"),
+    (dict(args="echo"), TypeError, "args must be a sequence of strings"),
+    (dict(args=["echo", None]), TypeError, r"got \[None\] in"),
+    (dict(env={"A": 1}), TypeError, "env must map strings to strings"),
+    (dict(collectives="mpi"), ValueError, "collectives must be one of"),
+    (dict(collectives="in_process", num_processes=2), ValueError,
+     "collectives='in_process' needs num_processes=1, got 2"),
+])
+def test_run_processes_rejects_bad_arguments_before_starting_anything(kwargs, error, match):
+  kwargs = {"target": "mypkg.worker", **kwargs}
+  with pytest.raises(error, match=match):
+    jmp_lite.testing.run_processes(**kwargs)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: jmp_lite.testing.initialize_worker(),
+    lambda: jmp_lite.testing.report_result({"loss": 1.0}),
+])
+def test_worker_functions_refuse_to_run_outside_a_worker(call, monkeypatch):
+  for name in ("JMP_LITE_NUM_PROCESSES", "JMP_LITE_RESULT_FILE"):
+    monkeypatch.delenv(name, raising=False)
+  with pytest.raises(RuntimeError, match="started by jmp_lite.testing.run_processes"):
+    call()
+
+
+def test_report_result_writes_json_with_numpy_values_and_non_finite_floats(
+    tmp_path, monkeypatch):
+  import json
+  path = tmp_path / "result.json"
+  monkeypatch.setenv("JMP_LITE_RESULT_FILE", str(path))
+  jmp_lite.testing.report_result({"first": 1})
+  jmp_lite.testing.report_result(
+      {"scale": np.float32(2.0) ** 15, "params": np.arange(3, dtype=np.int32),
+       "loss": float("nan")})
+  out = json.loads(path.read_text())  # the last report wins
+  assert out["scale"] == 32768.0 and out["params"] == [0, 1, 2] and np.isnan(out["loss"])
+  assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # nothing left aside
+  with pytest.raises(TypeError, match="report_result: object is not JSON-serialisable"):
+    jmp_lite.testing.report_result({"oops": object()})
+
+
+def test_process_results_are_frozen_and_errors_are_runtime_errors():
+  result = jmp_lite.testing.ProcessResult(
+      process_id=0, returncode=0, stdout="", stderr="", result={"a": 1})
+  with pytest.raises(AttributeError):
+    result.returncode = 1  # dataclasses.FrozenInstanceError
+  error = jmp_lite.testing.MultiProcessError("boom", [result], timed_out=True)
+  assert isinstance(error, RuntimeError)
+  assert error.results == (result,) and error.timed_out
+
+
+@pytest.mark.parametrize("a, b, match", [
+    # What value equality would let through.
+    ({"w": jnp.array([0.0])}, {"w": jnp.array([-0.0])}, r"\['w'\]: differ bitwise at 1 of 1"),
+    ([np.array([np.nan], np.float32)],
+     [np.array([np.nan], np.float32).view(np.uint32) + 1],  # another NaN payload...
+     r"\[0\]: float32\[1\] vs uint32\[1\]"),             # ...as integers: dtype differs
+    ([np.frombuffer(np.array([0x7FC00000], np.uint32).tobytes(), np.float32)],
+     [np.frombuffer(np.array([0x7FC00001], np.uint32).tobytes(), np.float32)],
+     r"\[0\]: differ bitwise"),
+    ({"w": jnp.zeros(2, jnp.bfloat16)}, {"w": jnp.zeros(2, jnp.float16)},
+     r"\['w'\]: bfloat16\[2\] vs float16\[2\]"),
+    ({"w": jnp.zeros(2)}, {"w": jnp.zeros(3)}, r"float32\[2\] vs float32\[3\]"),
+    ({"w": jnp.zeros(2)}, {"v": jnp.zeros(2)}, "tree structures differ"),
+    ([jax.random.key(0)], [jax.random.key(1)], r"\[0\]: differ bitwise"),
+])
+def test_assert_trees_bitwise_equal_catches_what_value_equality_misses(a, b, match):
+  with pytest.raises(AssertionError, match=match):
+    assert_trees_bitwise_equal(a, b, None)
+  assert_trees_bitwise_equal(a, a)
+  assert_trees_bitwise_equal(b, b)
+

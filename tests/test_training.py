@@ -15,6 +15,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite.testing import count_compilations
+from jmp_lite.testing import assert_trees_bitwise_equal
 
 
 
@@ -33,27 +34,6 @@ def _loss(params, x):
 def _params():
   k1, k2 = jax.random.split(jax.random.key(0))
   return {"w1": jax.random.normal(k1, (4, 8)), "w2": jax.random.normal(k2, (8, 2))}
-
-
-def _assert_bitwise_equal(a, b, what=None):
-  """Asserts with chex that two trees are equal bit for bit, dtypes included.
-
-  chex.assert_trees_all_equal compares values (numpy's ==, which holds
-  -0.0 == 0.0 and NaN == NaN whatever the payload); unchanged here means every
-  bit unchanged, so the leaves are compared as unsigned integers.
-  """
-  chex.assert_trees_all_equal_dtypes(a, b, custom_message=what)
-  chex.assert_trees_all_equal_comparator(
-      lambda x, y: np.array_equal(_as_bits(x), _as_bits(y)),
-      lambda x, y: f"{x!r} and {y!r} differ bitwise", a, b, custom_message=what)
-
-
-def _as_bits(x):
-  """A leaf as unsigned integers of its width (a PRNG key: its key data)."""
-  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  x = np.asarray(x)
-  return x.view(f"u{x.itemsize}")
 
 
 @JIT
@@ -172,7 +152,7 @@ def test_train_state_minimize_skips_and_counts(jit):
     state, info = step(state, x, inf)
   assert bool(info.skipped)
   assert int(state.step) == 2 and int(state.loss_scale_state.skipped_steps) == 1
-  _assert_bitwise_equal(state.params, before.params)
+  assert_trees_bitwise_equal(state.params, before.params)
   assert float(state.loss_scale.loss_scale) == 2.0 ** 14
   assert jax.tree.map(lambda p: p.dtype, state.params) == {"w1": jnp.float32, "w2": jnp.float32}
   if jit:
@@ -218,7 +198,7 @@ def test_checkpoint_resume_is_bit_exact_in_a_fresh_process(tmp_path):
   resumed = np.load(tmp_path / "out.npz")
   leaves = jax.tree.leaves(straight)
   assert len(resumed.files) == len(leaves)
-  _assert_bitwise_equal([resumed[f"arr_{i}"] for i in range(len(leaves))], leaves)
+  assert_trees_bitwise_equal([resumed[f"arr_{i}"] for i in range(len(leaves))], leaves)
   assert int(straight.loss_scale_state.skipped_steps) == 3
 
 
