@@ -25,6 +25,8 @@ import os
 import pathlib
 import time
 
+import _firstrun  # the standard library only: fine before the early parse
+
 POLICIES = {
     "f32": "p=f32,c=f32,o=f32",
     "bf16": "p=f32,c=bf16,o=f32",
@@ -38,9 +40,7 @@ TIMINGS = {"f32": (12.0, 250.0), "bf16": (14.0, 400.0), "f16": (15.0, 400.0)}
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--policies", default="f32,bf16,f16",
-                      help="comma-separated: f32 (float32), bf16 (bf16 compute, "
-                           "f32 params), f16 (f16 compute, f32 params, dynamic "
-                           "loss scale); default all three")
+                      help=_firstrun.THREE_POLICIES)
   parser.add_argument("--steps", type=int, default=400, help="training steps per policy")
   parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
   parser.add_argument("--context", type=int, default=64, help="bytes per sequence")
@@ -56,11 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out-dir", default="runs/char_lm", help="where summary.json goes")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   args = parser.parse_args(argv)
-  names = [n.strip() for n in args.policies.split(",") if n.strip()]
-  unknown = [n for n in names if n not in POLICIES]
-  if unknown or not names:
-    parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-  args.policies = names
+  args.policies = _firstrun.policy_names(parser, args.policies, POLICIES)
   return args
 
 
@@ -75,7 +71,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import _firstrun  # noqa: E402
 import jmp_lite  # noqa: E402
 import jmp_lite.flax  # noqa: E402
 

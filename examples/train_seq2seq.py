@@ -40,6 +40,8 @@ import pathlib
 import sys
 import time
 
+import _firstrun  # the standard library only: fine before the early parse
+
 POLICIES = {
     "f32": "f32",
     "bf16": "p=f32,c=bf16,o=f32",
@@ -47,15 +49,13 @@ POLICIES = {
 }
 # Seconds to compile and milliseconds per step of each policy with the
 # defaults, on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
-TIMINGS = {"f32": (25.0, 120.0), "bf16": (30.0, 190.0), "f16": (30.0, 190.0)}
+TIMINGS = {"f32": (35.0, 47.0), "bf16": (40.0, 73.0), "f16": (45.0, 61.0)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--policies", default="f32,bf16,f16",
-                      help="comma-separated: f32 (float32), bf16 (bf16 compute, "
-                           "f32 params), f16 (f16 compute, f32 params, dynamic "
-                           "loss scale); default all three")
+                      help=_firstrun.THREE_POLICIES)
   parser.add_argument("--steps", type=int, default=300, help="training steps per policy")
   parser.add_argument("--batch-size", type=int, default=32, help="windows per step")
   parser.add_argument("--lr", type=float, default=3e-3,
@@ -67,11 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out-dir", default="runs/seq2seq", help="where summary.json goes")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   args = parser.parse_args(argv)
-  names = [n.strip() for n in args.policies.split(",") if n.strip()]
-  unknown = [n for n in names if n not in POLICIES]
-  if unknown or not names:
-    parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-  args.policies = names
+  args.policies = _firstrun.policy_names(parser, args.policies, POLICIES)
   return args
 
 
@@ -90,7 +86,6 @@ import jmp_lite.flax  # noqa: E402
 
 # The model file sits next to this script and is imported as it is.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _firstrun  # noqa: E402
 from seq2seq_model import Config, Seq2Seq  # noqa: E402
 
 SRC_LEN, TGT_LEN = 32, 16

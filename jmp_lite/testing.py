@@ -18,7 +18,7 @@ Example: a jitted step that survives an overflow at steps 3 and 7::
 `run_processes` runs a worker script as N processes of K CPU devices each,
 joined into one JAX runtime by `initialize_worker`, and collects what each
 sent with `report_result`: multi-process data parallelism, tested on one
-machine (implemented in ``jmp_lite/_launch.py``).
+machine (implemented in ``jmp_lite/_launch.py`` and ``jmp_lite/_worker.py``).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._dtypes import is_floating
-from jmp_lite._launch import initialize_worker
 from jmp_lite._launch import MultiProcessError
 from jmp_lite._launch import ProcessResult
-from jmp_lite._launch import report_result
 from jmp_lite._launch import run_processes
+from jmp_lite._worker import initialize_worker
+from jmp_lite._worker import report_result
 
 __all__ = (
     "assert_trees_bitwise_equal",
