@@ -143,9 +143,11 @@ def _matrix_dtypes(platform: str, capability: Optional[str],
   if platform == "tpu":
     return ("bfloat16",)
   if platform == "gpu":
-    if capability is None:  # ROCm: MI100 and newer have bf16 and f16 units
+    major, _, minor = (capability or "").partition(".")
+    if not (major.isdigit() and (minor or "0").isdigit()):
+      # ROCm reports no capability or an architecture name ("gfx90a"): MI100
+      # and newer have bf16 and f16 units.
       return ("bfloat16", "float16")
-    major, _, minor = capability.partition(".")
     version = (int(major), int(minor or 0))
     if version >= (8, 9):  # Ada, Hopper, Blackwell: fp8 tensor cores
       return ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float16")

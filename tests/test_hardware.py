@@ -55,7 +55,8 @@ def test_lazy_attribute_of_the_package():
     ("gpu", "8.9", set(), ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float16")),
     ("gpu", "9.0", set(), ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float16")),
     ("gpu", "6.1", set(), ()),
-    ("gpu", None, set(), ("bfloat16", "float16")),  # ROCm reports none
+    ("gpu", None, set(), ("bfloat16", "float16")),  # ROCm reports none...
+    ("gpu", "gfx90a", set(), ("bfloat16", "float16")),  # ...or its architecture
     ("tpu", None, set(), ("bfloat16",)),
     ("cpu", None, {"avx2", "fma"}, ()),
     ("cpu", None, {"avx2", "avx512f", "avx512_bf16"}, ("bfloat16",)),
