@@ -15,6 +15,8 @@ import this module before JAX loads.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from typing import Mapping, Sequence
@@ -104,3 +106,13 @@ def _cell(value) -> str:
   if isinstance(value, float):
     return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
   return str(value)
+
+
+def write_summary(out_dir, summary: dict) -> str:
+  """Writes ``summary`` to ``out_dir/summary.json`` and prints where it went."""
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "summary.json")
+  with open(path, "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"all results: {path}")
+  return path

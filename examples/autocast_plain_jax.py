@@ -23,7 +23,6 @@ Usage:
 """
 
 import argparse
-import json
 import pathlib
 import time
 
@@ -206,12 +205,10 @@ def main(argv=None):
         f"{r['step_ms']:.2f}", f"{r['compile_s']:.1f}", r["param_dtypes"]]
        for name, r in results.items()])
   if args.out_dir is not None:
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "summary.json"
-    path.write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()}, **probe,
-         "results": results}, indent=2))
-    print(f"\nall results: {path}")
+    print()
+    _firstrun.write_summary(args.out_dir, {
+        "args": {k: str(v) for k, v in vars(args).items()}, **probe,
+        "results": results})
   return results
 
 

@@ -19,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import pathlib
@@ -199,7 +198,6 @@ def main(argv=None):
         f"{r['tokens_per_second']:,.0f}", r["skipped_steps"],
         f"{r['compile_seconds']:.1f}", f"{r['step_ms']:.0f}"]
        for name, r in results.items()])
-  os.makedirs(args.out_dir, exist_ok=True)
   summary = {
       "example": "train_char_lm", "steps": args.steps, "batch_size": args.batch_size,
       "context": args.context, "seed": args.seed, "corpus_bytes": int(len(data)),
@@ -207,10 +205,8 @@ def main(argv=None):
       "results": {n: {k: v for k, v in r.items() if k not in ("losses", "loss_scales")}
                   for n, r in results.items()},
   }
-  path = os.path.join(args.out_dir, "summary.json")
-  with open(path, "w") as f:
-    json.dump(summary, f, indent=2)
-  print(f"\nall results: {path}")
+  print()
+  _firstrun.write_summary(args.out_dir, summary)
   return summary
 
 

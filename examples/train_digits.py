@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -248,10 +247,8 @@ def main(argv=None):
                   for n, r in results.items()},
       "plot": plot_path,
   }
-  summary_path = os.path.join(args.out_dir, "summary.json")
-  with open(summary_path, "w") as f:
-    json.dump(summary, f, indent=2)
-  print(f"\nplot: {plot_path}\nall results: {summary_path}")
+  print(f"\nplot: {plot_path}")
+  _firstrun.write_summary(args.out_dir, summary)
   return summary
 
 

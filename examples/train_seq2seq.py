@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import pathlib
@@ -278,17 +277,14 @@ def main(argv=None):
         f"{r['matmuls_half_f32']} of {r['matmuls_total']}"]
        for name, r in results.items()])
   print(f"(uniform guess: loss ln({VOCAB}) = {uniform:.3f}, accuracy {1 / VOCAB:.4f})")
-  os.makedirs(args.out_dir, exist_ok=True)
   summary = {
       "example": "train_seq2seq", "steps": args.steps, "batch_size": args.batch_size,
       "seed": args.seed, "lr": args.lr, "corpus_bytes": corpus_bytes,
       "vocab_size": VOCAB, "src_len": SRC_LEN, "tgt_len": TGT_LEN,
       "backend": jax.default_backend(), **probe, "results": results,
   }
-  path = os.path.join(args.out_dir, "summary.json")
-  with open(path, "w") as f:
-    json.dump(summary, f, indent=2)
-  print(f"\nall results: {path}")
+  print()
+  _firstrun.write_summary(args.out_dir, summary)
   return summary
 
 
