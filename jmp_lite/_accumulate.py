@@ -4,7 +4,18 @@
 ``convert_element_type(op(lhs, rhs, preferred_element_type=float32), out_dtype)``
 computes: 16-bit (or fp8) operands, a float32 accumulator, rounded once to
 ``out_dtype`` (the operands' dtype, or float32 for a consumer that wants the
-accumulator). Their parameters are the wrapped op's own plus ``out_dtype``.
+accumulator). Their parameters are the wrapped op's own plus ``out_dtype`` and
+``reduce_dtype``.
+
+``reduce_dtype`` decides what crosses devices when XLA's partitioner splits a
+product's contraction (a weight gradient under data parallelism, a row-parallel
+layer): each device's partial sum leaves its product in the product's result
+dtype and is all-reduced (or reduce-scattered) in it. So the partial sums are
+float32, and are rounded once after the reduction, unless ``reduce_dtype``
+names a narrower dtype equal to ``out_dtype``: then the product emits
+``out_dtype`` and the reduction runs in it, at half the bytes. On one device
+the two lowerings give the same numbers on XLA's backends, whose 16-bit dots
+accumulate in float32 internally.
 
 Why primitives, not a ``custom_vjp``: a primitive keeps its precision through
 every transformation applied *outside* the rewrite. Its JVP and transpose are
@@ -44,12 +55,38 @@ BASE = {dot_p: lax.dot_general_p, conv_p: lax.conv_general_dilated_p}
 BY_BASE = {base.name: p for p, base in BASE.items()}
 
 
-def bind(base_name: str, lhs, rhs, params, out_dtype):
-  """``base(lhs, rhs, **params)`` accumulating in float32, out in ``out_dtype``."""
+def bind(base_name: str, lhs, rhs, params, out_dtype, reduce_dtype=None):
+  """``base(lhs, rhs, **params)`` accumulating in float32, out in ``out_dtype``.
+
+  ``reduce_dtype``: see the module docstring; None (or float32) keeps partial
+  sums in float32.
+  """
   prim = BY_BASE[base_name]
   params = dict(params, preferred_element_type=F32)
   lhs, rhs = _match_vma(lhs, rhs)
-  return prim.bind(lhs, rhs, out_dtype=np.dtype(out_dtype), **params)
+  return prim.bind(lhs, rhs, out_dtype=np.dtype(out_dtype),
+                   reduce_dtype=narrow_reduce_dtype(reduce_dtype), **params)
+
+
+def narrow_reduce_dtype(dtype):
+  """``dtype`` if partial sums should be rounded to it, else None (float32)."""
+  if dtype is None:
+    return None
+  dtype = np.dtype(dtype)
+  return dtype if dtype.itemsize < F32.itemsize else None
+
+
+def _base_params(params):
+  """The wrapped op's parameters: the engine's own removed."""
+  return {k: v for k, v in params.items()
+          if k not in ("out_dtype", "reduce_dtype")}
+
+
+def _partial_sum_dtype(out_dtype, reduce_dtype):
+  """The dtype a product's partial sums leave it in (see the module docstring)."""
+  if reduce_dtype is not None and np.dtype(reduce_dtype) == np.dtype(out_dtype):
+    return np.dtype(out_dtype)
+  return F32
 
 
 def _match_vma(lhs, rhs):
@@ -69,14 +106,16 @@ def _match_vma(lhs, rhs):
 
 
 def _abstract_eval(prim):
-  def rule(lhs, rhs, *, out_dtype, **params):
+  def rule(lhs, rhs, *, out_dtype, reduce_dtype, **params):
+    del reduce_dtype
     out, effects = _internals.abstract_eval(BASE[prim], lhs, rhs, **params)
     return out.update(dtype=np.dtype(out_dtype), weak_type=False), effects
   return rule
 
 
-def _reference(prim, lhs, rhs, *, out_dtype, **params):
+def _reference(prim, lhs, rhs, *, out_dtype, reduce_dtype, **params):
   """What ``prim`` computes, as written: the lowering on other platforms."""
+  params["preferred_element_type"] = _partial_sum_dtype(out_dtype, reduce_dtype)
   return lax.convert_element_type(BASE[prim].bind(lhs, rhs, **params),
                                   out_dtype)
 
@@ -103,7 +142,7 @@ for _p in BASE:
 # --- CPU lowering of dots --------------------------------------------------------
 
 
-def canonicalize(lhs, rhs, dimension_numbers):
+def canonicalize(lhs, rhs, dimension_numbers, partitioned=False):
   """Returns ``(lhs, rhs, dimension_numbers)`` in XLA:CPU's native layouts.
 
   ``lhs`` becomes ``[batch, free, contract]``; ``rhs`` stays as it is if it is
@@ -127,10 +166,13 @@ def canonicalize(lhs, rhs, dimension_numbers):
           (tuple(range(nb)), tuple(range(nb))))
   if dims == ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))):
     return lhs, rhs, dimension_numbers
+  # A partitioned operand is left to XLA's partitioner: flattening a
+  # batch-sharded activation would make it all-gather the whole batch.
+  keep = (lambda x: x) if partitioned else _materialize
   if l_perm != tuple(range(len(l_perm))):
-    lhs = _materialize(lax.transpose(lhs, l_perm))
+    lhs = keep(lax.transpose(lhs, l_perm))
   if r_perm != identity:
-    rhs = _materialize(lax.transpose(rhs, r_perm))
+    rhs = keep(lax.transpose(rhs, r_perm))
   return lhs, rhs, dims
 
 
@@ -169,20 +211,22 @@ def cpu_refuses(precision) -> bool:
           and precision.name not in _CPU_PRESETS)
 
 
-def _cpu_dot(lhs, rhs, *, out_dtype, dimension_numbers, precision,
-             preferred_element_type, out_sharding):
+def _cpu_dot(lhs, rhs, *, partitioned, out_dtype, reduce_dtype,
+             dimension_numbers, precision, preferred_element_type, out_sharding):
   if cpu_refuses(precision):
     # F16_F16_F32 is what the default algorithm does with float16 operands and
     # ``preferred_element_type=float32``; other platforms keep the preset.
     precision = None
-  lhs, rhs, dims = canonicalize(lhs, rhs, dimension_numbers)
+  del preferred_element_type  # float32, or narrower by ``reduce_dtype``
+  lhs, rhs, dims = canonicalize(lhs, rhs, dimension_numbers, partitioned)
   out = lax.dot_general(lhs, rhs, dims, precision=precision,
-                        preferred_element_type=preferred_element_type,
+                        preferred_element_type=_partial_sum_dtype(
+                            out_dtype, reduce_dtype),
                         out_sharding=out_sharding)
   return lax.convert_element_type(out, out_dtype)
 
 
-_internals.define_lowering(dot_p, _cpu_dot, platform="cpu")
+_internals.define_partitioned_lowering(dot_p, _cpu_dot, platform="cpu")
 
 
 # --- Dots: transposes and batching ---------------------------------------------------
@@ -201,7 +245,7 @@ def _dot_cotangent(side):
   rhs one ``k . ct`` (``xᵀ @ g``, the weight gradient), so each comes out
   with its batch dimensions first, in the operand's order otherwise.
   """
-  def rule(ct, x, y, *, out_dtype, dimension_numbers, precision,
+  def rule(ct, x, y, *, out_dtype, reduce_dtype, dimension_numbers, precision,
            preferred_element_type, out_sharding):
     del out_dtype, preferred_element_type, out_sharding
     (lc, rc), (lb, rb) = dimension_numbers
@@ -229,7 +273,7 @@ def _dot_cotangent(side):
         side == 0) else ((k, ct), ((tuple(kf), ct_kf), (tuple(kb), ct_b)))
     out = bind("dot_general", *operands, dict(
         dimension_numbers=dims, precision=precision,
-        out_sharding=_sharding_at(u_aval, where)), u_aval.dtype)
+        out_sharding=_sharding_at(u_aval, where)), u_aval.dtype, reduce_dtype)
     perm = tuple(where[d] for d in range(u_aval.ndim))
     return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
   return rule
@@ -293,12 +337,13 @@ _internals.define_batching(dot_p, _dot_batch)
 
 
 def _narrow(params):
-  return dict(params, preferred_element_type=None)
+  return dict(_base_params(params), preferred_element_type=None)
 
 
 def _conv_transpose(side):
   def rule(ct, x, y, *, out_dtype, **params):
     del out_dtype
+    reduce_dtype = params["reduce_dtype"]
     base = _internals.base_transpose(lax.conv_general_dilated_p)
     undefined = x if side == 0 else y
     dtype = undefined.aval.dtype
@@ -308,7 +353,8 @@ def _conv_transpose(side):
       operands = (undefined, known) if side == 0 else (known, undefined)
       return base(ct, *operands, **_narrow(params))[side]
 
-    return _rewritten(narrow, ct, y if side == 0 else x)
+    return _rewritten(narrow, ct, y if side == 0 else x,
+                      reduce_dtype=reduce_dtype)
   return rule
 
 
@@ -317,10 +363,11 @@ def _conv_batch(args, dims, *, out_dtype, **params):
     return jax.vmap(
         lambda a, b: lax.conv_general_dilated_p.bind(a, b, **_narrow(params)),
         in_axes=dims)(lhs, rhs)
-  return _rewritten(narrow, *args, out_dtype=out_dtype), 0
+  return _rewritten(narrow, *args, out_dtype=out_dtype,
+                    reduce_dtype=params["reduce_dtype"]), 0
 
 
-def _rewritten(fun, *args, out_dtype=None):
+def _rewritten(fun, *args, out_dtype=None, reduce_dtype=None):
   """``fun`` (lax code on narrow operands) with its products accumulating in f32.
 
   With ``out_dtype``, each product's result is produced in ``out_dtype``
@@ -336,7 +383,7 @@ def _rewritten(fun, *args, out_dtype=None):
       dtype = out_dtype or eqn.outvars[0].aval.dtype
       params = {k: v for k, v in eqn.params.items()
                 if k != "preferred_element_type"}
-      return bind(eqn.primitive.name, *invals, params, dtype)
+      return bind(eqn.primitive.name, *invals, params, dtype, reduce_dtype)
     return _internals.bind(eqn, invals)
 
   out, = _internals.eval_jaxpr(closed.jaxpr, closed.consts, args, eval_eqn)

@@ -143,7 +143,7 @@ def _white(eqn, invals, rules):
   if (name in _accumulate.BY_BASE and len(vals) == 2
       and _dtypes.is_narrow_float(rules.compute)):
     # The engine's primitive: float32 accumulation here and in derivatives.
-    out = _accumulate.bind(name, *vals, params, np.float32)
+    out = _accumulate.bind(name, *vals, params, np.float32, rules.reduce)
     return _Wide(out, rules.compute)
   if accumulates:
     acc = _widest([np.dtype(np.float32), *orig])

@@ -37,6 +37,7 @@ from jmp_lite import _accumulate
 from jmp_lite import _dtypes
 from jmp_lite import _internals
 from jmp_lite import _islands
+from jmp_lite import _sink
 
 
 class UncoveredMatmulWarning(UserWarning):
@@ -87,9 +88,10 @@ def _source(eqn) -> str:
 class _Rewriter:
   """One rewrite: a memo of rewritten jaxprs and how to report gaps."""
 
-  def __init__(self, strict: bool, islands: bool = True):
+  def __init__(self, strict: bool, islands: bool = True, reduce_dtype=None):
     self.strict = strict
     self.islands = islands
+    self.reduce_dtype = _accumulate.narrow_reduce_dtype(reduce_dtype)
     self.memo: dict[int, Any] = {}
     self.known = None
 
@@ -104,6 +106,10 @@ class _Rewriter:
     key = id(jaxpr)
     if key not in self.memo:
       eqns = [self.eqn(e) for e in jaxpr.eqns]
+      if self.reduce_dtype is None:
+        # Gradients summed by data movement's transposes (a bias's, an
+        # embedding's) are summed, and reduced across devices, wide.
+        eqns = _sink.sink(eqns)
       if self.islands:
         eqns = _islands.isolate(eqns, jaxpr.outvars)
       changed = len(eqns) != len(jaxpr.eqns) or any(
@@ -122,7 +128,7 @@ class _Rewriter:
     if is_narrow_matmul(eqn) or _refused_on_cpu(eqn):
       out = np.dtype(eqn.outvars[0].aval.dtype)
       params = dict(eqn.params, preferred_element_type=_accumulate.F32,
-                    out_dtype=out)
+                    out_dtype=out, reduce_dtype=self.reduce_dtype)
       return _internals.replace_eqn(eqn, _accumulate.BY_BASE[name], params)
     if name in _KERNELS:
       self.check_kernel(eqn)
@@ -208,7 +214,7 @@ class _SeesBaseOps:
 
   def __call__(self, prim, *args, **params):
     if prim in _accumulate.BASE:
-      params = {k: v for k, v in params.items() if k != "out_dtype"}
+      params = _accumulate._base_params(params)  # pylint: disable=protected-access
       prim = _accumulate.BASE[prim]
     return self.policy(prim, *args, **params)
 
@@ -222,18 +228,26 @@ def _freeze(x):
   return x
 
 
-def rewrite(closed, *, strict: bool = False, islands: bool = True):
+def rewrite(closed, *, strict: bool = False, islands: bool = True,
+            reduce_dtype=None):
   """``closed`` (a `ClosedJaxpr`) with every narrow matmul accumulating in f32.
 
   With ``islands``, float32 stretches of the narrow computation (norms) are
   also recomputed in the backward pass rather than saved (`_islands`).
+  ``reduce_dtype``: what partial sums of a product whose contraction XLA
+  splits across devices are reduced in (`jmp_lite._accumulate`).
   """
-  return _Rewriter(strict, islands).closed(closed)
+  return _Rewriter(strict, islands, reduce_dtype).closed(closed)
 
 
 def accumulate(fun: Callable[..., Any], *, strict: bool = False,
-               cache: bool = True, islands: bool = True) -> Callable[..., Any]:
+               cache: bool = True, islands: bool = True,
+               reduce_dtype=None) -> Callable[..., Any]:
   """``fun`` with every narrow matmul accumulating in float32, everywhere.
+
+  Partial sums of a product that XLA's partitioner splits across devices (a
+  weight gradient under ``jit`` with a sharded batch) are reduced in float32,
+  or in ``reduce_dtype`` where it is the product's narrow result dtype.
 
   Array leaves of the arguments are traced; other leaves (flags, names) are
   passed as Python values, and so are non-array outputs (symbolic zeros).
@@ -266,7 +280,7 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
 
     closed = jax.make_jaxpr(split_out)(*dynamic)
     arrays = iter(jex.core.jaxpr_as_fun(rewrite(
-        closed, strict=strict, islands=islands))(
+        closed, strict=strict, islands=islands, reduce_dtype=reduce_dtype))(
         *dynamic))
     out_tree, n = static_out.pop("tree")
     out = [static_out[i] if i in static_out else next(arrays) for i in range(n)]

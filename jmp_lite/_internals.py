@@ -11,6 +11,7 @@ when JAX has a higher-order primitive this module does not know.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Any, Callable
 
@@ -66,6 +67,31 @@ def define_lowering(prim, fun: Callable[..., Any], platform=None) -> None:
                          platform=platform)
 
 
+def define_partitioned_lowering(prim, fun: Callable[..., Any], platform) -> None:
+  """Like `define_lowering`, with ``fun(*args, partitioned=..., **params)``.
+
+  ``partitioned`` says whether XLA's SPMD partitioner will split the
+  computation across devices on dimensions the program did not make manual
+  (``jit`` over several devices). Relies on the lowering context's
+  ``module_context.axis_context``: a ``ShardingContext`` with
+  ``num_devices``, or (inside ``shard_map``) an ``SPMDAxisContext`` with a
+  ``mesh`` and its ``manual_axes``. Anything else is one device.
+  """
+  def rule(ctx, *args, **params):
+    axes = ctx.module_context.axis_context
+    if hasattr(axes, "num_devices"):
+      partitioned = axes.num_devices > 1
+    elif hasattr(axes, "manual_axes") and hasattr(axes, "mesh"):
+      partitioned = any(size > 1 for name, size in axes.mesh.shape.items()
+                        if name not in axes.manual_axes)
+    else:
+      partitioned = False
+    lowered = mlir.lower_fun(functools.partial(fun, partitioned=partitioned),
+                             multiple_results=False)
+    return lowered(ctx, *args, **params)
+  mlir.register_lowering(prim, rule, platform=platform)
+
+
 def base_transpose(prim):
   """JAX's transpose rule of ``prim``: ``rule(ct, x, y, **params)``.
 
@@ -100,6 +126,15 @@ def replace_eqns(jaxpr, eqns):
 def rewire(eqn, invars, outvars):
   """``eqn`` reading ``invars`` and writing ``outvars`` (same avals)."""
   return eqn.replace(invars=list(invars), outvars=list(outvars))
+
+
+def new_var(aval):
+  """A fresh jaxpr variable of type ``aval``.
+
+  Relies on `jax.extend.core.Var` taking the aval as its one required
+  argument (JAX 0.7 onwards; older versions took a suffix first).
+  """
+  return core.Var(aval)
 
 
 def closed(jaxpr, consts):

@@ -73,11 +73,11 @@ class NnxWrapper(nnx.Module):
 
   def __call__(self, *args, **kwargs):
     graphdef, state = nnx.split(self.module)
-    dtype = self.rules.policy.autocast_dtype
-    if dtype is not None:
-      run = _nnx_autocast(np.dtype(dtype))
+    policy = self.rules.policy
+    if policy.autocast_dtype is not None:
+      run = _nnx_autocast(policy)
     elif needs_rewrite(self.rules):
-      run = _nnx_run
+      run = _nnx_run(policy.reduce_dtype)
     else:
       run = _nnx_run_as_written
     out, updates = run(self.rules, graphdef, state, *args, **kwargs)
@@ -125,14 +125,17 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
   return out, nnx.state(copy, nnx.Not(nnx.Param))
 
 
-# Cached per (rules, graph structure, argument structure): see `_linen_apply`.
-_nnx_run = _engine.accumulate(_nnx_run_as_written)
+@functools.cache
+def _nnx_run(reduce_dtype):
+  """The engine's rewrite, cached per (rules, graph structure, argument
+  structure) inside: see `jmp_lite.flax._linen_engine`."""
+  return _engine.accumulate(_nnx_run_as_written, reduce_dtype=reduce_dtype)
 
 
 @functools.cache
-def _nnx_autocast(dtype):
+def _nnx_autocast(policy):
   from jmp_lite.autocasting import autocast  # pylint: disable=g-import-not-at-top
-  return autocast(_nnx_run_as_written, dtype)
+  return autocast(_nnx_run_as_written, policy)
 
 
 def _owner(policies: dict[tuple, Policy], path) -> Policy:

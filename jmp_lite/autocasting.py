@@ -98,6 +98,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from jmp_lite import _accumulate
 from jmp_lite import _autocast_eval
 from jmp_lite import _engine
 from jmp_lite.oplists import DEFAULT_BLACK_LIST
@@ -117,6 +118,9 @@ class _Rules:
   white: frozenset[str]
   black: frozenset[str]
   min_reduction_size: int
+  # What partial sums of a product split across devices are reduced in:
+  # the policy's ``reduce_dtype``; None (a bare dtype given) is float32.
+  reduce: Optional[np.dtype] = None
 
 
 def _compute_dtype(policy_or_dtype) -> np.dtype:
@@ -144,11 +148,16 @@ def _make_rules(policy_or_dtype, white_list, black_list, min_reduction_size):
   if min_reduction_size < 1:
     raise ValueError(f"min_reduction_size must be >= 1, got"
                      f" {min_reduction_size}.")
+  if isinstance(policy_or_dtype, str):
+    policy_or_dtype = get_policy(policy_or_dtype)
+  reduce = (policy_or_dtype.reduce_dtype
+            if isinstance(policy_or_dtype, Policy) else None)
   return _Rules(
       compute=_compute_dtype(policy_or_dtype),
       white=(DEFAULT_WHITE_LIST - black_extra) | white_extra,
       black=(DEFAULT_BLACK_LIST - white_extra) | black_extra,
-      min_reduction_size=min_reduction_size)
+      min_reduction_size=min_reduction_size,
+      reduce=_accumulate.narrow_reduce_dtype(reduce))
 
 
 def autocast(fun: Callable[..., Any],
@@ -230,4 +239,5 @@ def autocast(fun: Callable[..., Any],
   # The engine traces the interpreted function once per argument structure
   # and gives every matmul the interpreter leaves narrow (custom rules,
   # opaque bodies) float32 accumulation.
-  return _engine.accumulate(interpreted, strict=strict)
+  return _engine.accumulate(interpreted, strict=strict,
+                            reduce_dtype=rules.reduce)

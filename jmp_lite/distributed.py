@@ -1,9 +1,15 @@
-"""Data parallelism under ``shard_map`` and ``pmap``: gradient averaging in the policy's reduce dtype.
+"""Data parallelism: gradients reduced across devices in the policy's reduce dtype.
 
-Under ``jax.jit`` with sharded arrays (``NamedSharding``), jmp_lite needs no
-help: ``all_finite``, `jmp_lite.value_and_grad` and
-`jmp_lite.optax.with_loss_scale` see global arrays, so the finiteness decision
-is global and the loss-scale state stays replicated. Under ``shard_map`` and
+Under ``jax.jit`` with sharded arrays (``NamedSharding``), ``all_finite``,
+`jmp_lite.value_and_grad` and `jmp_lite.optax.with_loss_scale` see global
+arrays, so the finiteness decision is global and the loss-scale state stays
+replicated. The gradient reductions are XLA's partitioner's: it reduces each
+product's partial sums in the dtype the product emits. Through the precision
+engine (`jmp_lite.value_and_grad` or `jmp_lite.TrainState` with a policy,
+`jmp_lite.flax.wrap`, `jmp_lite.autocast`) that is the policy's
+``reduce_dtype``; a step that casts with ``policy.cast_to_compute`` and calls
+``jax.grad`` itself reduces in the compute dtype. `collectives` lists what a
+compiled step communicates, and in which dtype. Under ``shard_map`` and
 ``pmap`` each device sees its own shard, and two things must be explicit:
 
 * the gradient all-reduce, done here by `reduce_gradients` in
@@ -31,12 +37,14 @@ stay per-device until `reduce_gradients` averages them::
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _hlo
+from jmp_lite._hlo import Collective
 from jmp_lite.loss_scale import _check_axis_name
 from jmp_lite._dtypes import is_floating
 from jmp_lite._dtypes import is_low_bit_float
@@ -45,6 +53,8 @@ from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
 
 __all__ = (
+    "collectives",
+    "Collective",
     "mark_varying",
     "reduce_gradients",
     "is_replicated_everywhere",
@@ -222,3 +232,40 @@ def is_replicated_everywhere(tree: Any) -> bool:
     if len(blobs) > 1:
       return False
   return True
+
+
+def collectives(fun: Callable[..., Any], *args, **kwargs) -> tuple[Collective, ...]:
+  """What ``jax.jit(fun)(*args, **kwargs)`` communicates, as XLA partitioned it.
+
+  Compiles ``fun`` (a function or a ``jax.jit`` of one) for the arguments'
+  shardings and reads the program right after XLA's SPMD partitioner: the
+  collectives a GPU or TPU runs, each with its dtype and size. (The compiled
+  program's own text is after the backend's passes: XLA:CPU sums a bfloat16
+  all-reduce in float32.) A collective in a loop body is listed once.
+
+  Args:
+    fun: the step, jitted or not.
+    *args: its arguments, sharded as they will be.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A `Collective` per array each collective moves, in program order.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import jmp_lite
+    >>> from jmp_lite.distributed import collectives
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> x = jax.device_put(jnp.ones((8 * jax.device_count(), 4)),
+    ...                    NamedSharding(mesh, P("data")))
+    >>> loss = lambda w, x: jnp.mean(x.astype(w.dtype) @ w)
+    >>> vg = jmp_lite.value_and_grad(loss, policy="p=f32,c=bf16,o=f32")
+    >>> step = lambda w, x: vg(w, x)[1]
+    >>> ops = collectives(step, jnp.ones((4, 2)), x)
+    >>> # On N > 1 devices: one all-reduce, the weight gradient's, in float32.
+    >>> len(ops) == (jax.device_count() > 1), {op.dtype.name for op in ops} <= {"float32"}
+    (True, True)
+  """
+  return _hlo.parse(_hlo.partitioned_hlo(fun, *args, **kwargs))

@@ -81,7 +81,6 @@ from typing import Any, Optional
 
 import flax.linen as nn
 import jax
-import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
@@ -219,11 +218,11 @@ class _LinenWrapper(nn.Module):
     (O1), through the engine (a half compute dtype somewhere), or as it is.
     (Not ``method``: that is the keyword ``apply`` forwards.)"""
     kwargs = _forward_method(kwargs)
-    dtype = self.rules.policy.autocast_dtype
-    if dtype is not None:
-      run = _linen_autocast(np.dtype(dtype), entry)
+    policy = self.rules.policy
+    if policy.autocast_dtype is not None:
+      run = _linen_autocast(policy, entry)
     elif needs_rewrite(self.rules):
-      run = _ENGINE[entry]
+      run = _linen_engine(entry, policy.reduce_dtype)
     else:
       run = getattr(nn.Module, entry)
     return run(self, *args, **kwargs)
@@ -251,21 +250,25 @@ def _forward_method(kwargs):
   return {**kwargs, "method": _Forward(method)}
 
 
-# The engine's rewrite, cached per (wrapper, argument structure): the wrapper
-# is a static argument (Linen modules hash by value), so repeated eager calls
-# run one compiled step instead of tracing again.
-_linen_init = _engine.accumulate(
-    lambda m, *a, **k: nn.Module.init_with_output(m, *a, **k))
-_linen_apply = _engine.accumulate(lambda m, *a, **k: nn.Module.apply(m, *a, **k))
-_ENGINE = {"init_with_output": _linen_init, "apply": _linen_apply}
+@functools.cache
+def _linen_engine(method: str, reduce_dtype):
+  """The engine's rewrite of ``init_with_output`` or ``apply``.
+
+  Cached per (wrapper, argument structure) inside: the wrapper is a static
+  argument (Linen modules hash by value), so repeated eager calls run one
+  compiled step instead of tracing again.
+  """
+  fun = getattr(nn.Module, method)
+  return _engine.accumulate(lambda m, *a, **k: fun(m, *a, **k),
+                            reduce_dtype=reduce_dtype)
 
 
 @functools.cache
-def _linen_autocast(dtype, method: str):
-  """Op-level autocast (O1) of ``init_with_output`` or ``apply``, per dtype."""
+def _linen_autocast(policy: Policy, method: str):
+  """Op-level autocast (O1) of ``init_with_output`` or ``apply``, per policy."""
   from jmp_lite.autocasting import autocast  # pylint: disable=g-import-not-at-top
   fun = getattr(nn.Module, method)
-  return autocast(lambda m, *a, **k: fun(m, *a, **k), dtype)
+  return autocast(lambda m, *a, **k: fun(m, *a, **k), policy)
 
 
 # Public API --------------------------------------------------------------------

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite import _dtypes
+from jmp_lite import _engine
 from jmp_lite import autocasting
 from jmp_lite import distributed
 from jmp_lite import loss_scale as ls_lib
@@ -45,11 +47,19 @@ def _check_loss(loss: Any) -> None:
         f"dtype={dtype}. Reduce it with jnp.mean or jnp.sum.")
 
 
-def _scaled_value_and_grad(fun, argnums, has_aux, policy, loss_scale):
-  """``(value, grads of loss_scale.scale(loss))``, with the policy's casts."""
+def _scaled_value_and_grad(fun, argnums, has_aux, policy):
+  """``f(loss_scale, *args)`` returning ``(value, grads of loss_scale.scale(loss))``.
+
+  With a policy, the differentiated arguments are cast to its compute dtype,
+  and the differentiated step runs under the precision engine (or autocast,
+  for O1): every narrow matmul of the forward and backward pass accumulates
+  in float32, and a weight gradient whose contraction XLA's partitioner
+  splits across devices (``jit`` with a sharded batch) is reduced in the
+  policy's ``reduce_dtype`` rather than in the compute dtype.
+  """
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
-  def scaled(*args, **kwargs):
+  def scaled(loss_scale, *args, **kwargs):
     if policy is not None:
       args = tuple(policy.cast_to_compute(a) if i in nums else a
                    for i, a in enumerate(args))
@@ -66,16 +76,26 @@ def _scaled_value_and_grad(fun, argnums, has_aux, policy, loss_scale):
       loss = loss.astype(jnp.float32)
     return loss_scale.scale(loss), (loss, aux)
 
-  def wrapped(*args, **kwargs):
-    vg = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
-    if policy is not None and policy.autocast_dtype is not None:
-      # O1: op lists over the whole differentiated step, so that the backward
-      # matmuls run in the autocast dtype too.
-      vg = autocasting.autocast(vg, policy)
-    (_, (loss, aux)), grads = vg(*args, **kwargs)
+  if policy is not None and policy.autocast_dtype is None and (
+      _dtypes.is_narrow_float(policy.compute_dtype)):
+    # Forward rewritten, differentiated outside: the backward's matmuls are
+    # the engine's transposes.
+    scaled = _engine.accumulate(scaled, reduce_dtype=policy.reduce_dtype)
+  # The loss scale comes first, so argument i is argument i + 1 of `scaled`.
+  shifted = tuple(i + 1 if i >= 0 else i for i in nums)
+  vg = jax.value_and_grad(
+      scaled, argnums=shifted[0] if isinstance(argnums, int) else shifted,
+      has_aux=True)
+  if policy is not None and policy.autocast_dtype is not None:
+    # O1: op lists over the whole differentiated step, so that the backward
+    # matmuls run in the autocast dtype too.
+    vg = autocasting.autocast(vg, policy)
+
+  def run(loss_scale, *args, **kwargs):
+    (_, (loss, aux)), grads = vg(loss_scale, *args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 
-  return wrapped
+  return run
 
 
 def value_and_grad(
@@ -96,7 +116,11 @@ def value_and_grad(
   scale passed in, and the gradients are unscaled with that same scale.
 
   With ``policy``, the differentiated arguments are cast to its compute dtype
-  before ``fun`` sees them and the loss is returned in float32. A policy with
+  before ``fun`` sees them and the loss is returned in float32. A half
+  compute dtype runs ``fun`` under the precision engine, as
+  `jmp_lite.flax.wrap` does: its matmuls and their gradients accumulate in
+  float32, and under ``jit`` with a sharded batch the gradients are reduced
+  across devices in the policy's ``reduce_dtype``. A policy with
   an ``autocast_dtype`` (``"O1"``) runs the whole differentiated step under
   `jmp_lite.autocast`: matmuls of the forward and backward pass in that dtype
   with float32 accumulation, fragile ops in float32.
@@ -139,14 +163,15 @@ def value_and_grad(
     policy = get_policy(policy)
   axis_name = ls_lib._check_axis_name(axis_name, "value_and_grad")
 
+  scaled_vg = _scaled_value_and_grad(fun, argnums, has_aux, policy)
+
   def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(), **kwargs):
     if not isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
                                    ls_lib.DynamicLossScale)):
       raise TypeError(
           "value_and_grad: loss_scale must be a jmp_lite loss scale, e.g. "
           f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
-    value, grads = _scaled_value_and_grad(
-        fun, argnums, has_aux, policy, loss_scale)(*args, **kwargs)
+    value, grads = scaled_vg(loss_scale, *args, **kwargs)
     grads = loss_scale.unscale(grads)
     return value, grads, ls_lib.all_finite(grads, axis_name=axis_name)
 
@@ -271,7 +296,7 @@ class TrainState(flax.struct.PyTreeNode):
       # compute dtype; reduce_gradients averages them in reduce_dtype.
       params = distributed.mark_varying(params, self.axis_name)
     value, grads = _scaled_value_and_grad(
-        loss_fn, 0, has_aux, self.policy, self.loss_scale)(params, *args, **kwargs)
+        loss_fn, 0, has_aux, self.policy)(self.loss_scale, params, *args, **kwargs)
     if self.axis_name is not None:
       grads = distributed.reduce_gradients(grads, self.axis_name, policy=self.policy)
     loss, aux = value if has_aux else (value, None)

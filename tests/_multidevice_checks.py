@@ -496,22 +496,55 @@ def test_hlo_without_mark_varying_jax_all_reduces_in_the_compute_dtype():
   assert "bf16" in {d for d, _ in before}, before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Under jax.jit with a data-sharded batch the SPMD partitioner all-reduces "
-    "the weight-gradient dot_general output, whose dtype is the compute dtype "
-    "(bf16): value_and_grad(policy=...) has no say in it. Needs float32 "
-    "accumulation of the transposed dot_generals (autocast), or shard_map + "
-    "reduce_gradients."))
-def test_hlo_jit_sharded_gradient_all_reduce_is_in_reduce_dtype():
-  mesh = _mesh((8,), ("data",))
+def _jit_sharded_gradient(policy, grad=None):
+  mesh = _mesh((8,), ("data",), auto=True)
   data = NamedSharding(mesh, P("data"))
   params = jax.device_put(_params(), NamedSharding(mesh, P()))
+  if grad is None:
+    grad = lambda p, x, y: jmp_lite.value_and_grad(_loss, policy=policy)(p, x, y)[1]
+  return grad, (params, jax.device_put(jnp.ones((BATCH, D_IN)), data),
+                jax.device_put(jnp.ones((BATCH, D_OUT)), data))
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_hlo_jit_sharded_gradient_all_reduce_is_in_reduce_dtype(reduce_dtype):
+  # Under plain jit the partitioner all-reduces each gradient's partial sums in
+  # the dtype of the op that makes them: value_and_grad(policy=...) runs the
+  # engine, whose weight-gradient dots emit reduce_dtype partial sums and
+  # whose bias broadcast sums in float32 (see jmp_lite._sink).
+  policy = jmp_lite.Policy(jnp.float32, jnp.bfloat16, jnp.float32,
+                           reduce_dtype=reduce_dtype)
+  grad, args = _jit_sharded_gradient(policy)
+  ops = distributed.collectives(grad, *args)
+  reductions = [op for op in ops if op.kind in ("all-reduce", "reduce-scatter")]
+  # One per parameter (w1, b1, w2), nothing gathered.
+  assert len(reductions) == 3 and len(ops) == 3, ops
+  assert {op.dtype for op in reductions} == {np.dtype(reduce_dtype)}, ops
+  # What runs on CPU: float32, not a promoted bf16 sum, for float32.
+  after = _all_reduces(jax.jit(grad).lower(*args).compile().as_text())
+  if reduce_dtype == "float32":
+    assert after and all(d == "f32" and not promoted for d, promoted in after), after
+
+
+def test_hlo_jit_sharded_plain_grad_all_reduces_in_the_compute_dtype():
+  # The limit the engine removes: jax.grad of a step that casts with
+  # cast_to_compute itself gets its gradients all-reduced in bf16.
   policy = jmp_lite.get_policy("p=f32,c=bf16,o=f32")
-  f = jax.jit(lambda p, x, y: jmp_lite.value_and_grad(_loss, policy=policy)(p, x, y)[1])
-  lowered = f.lower(params, jax.device_put(jnp.ones((BATCH, D_IN)), data),
-                    jax.device_put(jnp.ones((BATCH, D_OUT)), data))
-  after = _all_reduces(lowered.compile().as_text())
-  assert after and all(d == "f32" and not promoted for d, promoted in after), after
+  plain = lambda p, x, y: jax.grad(lambda p: _loss(policy.cast_to_compute(p), x, y))(p)
+  grad, args = _jit_sharded_gradient(policy, plain)
+  ops = distributed.collectives(grad, *args)
+  assert ops and {op.dtype for op in ops} == {np.dtype(jnp.bfloat16)}, ops
+
+
+def test_collectives_bytes_halve_with_a_bf16_reduce_dtype():
+  f32, bf16 = (_jit_sharded_gradient(jmp_lite.Policy(
+      jnp.float32, jnp.bfloat16, jnp.float32, reduce_dtype=r)) for r in (
+          jnp.float32, jnp.bfloat16))
+  size = lambda ops: sum(op.bytes for op in ops)
+  f32_bytes = size(distributed.collectives(*f32[:1], *f32[1]))
+  bf16_bytes = size(distributed.collectives(*bf16[:1], *bf16[1]))
+  n_params = sum(x.size for x in jax.tree.leaves(_params()))
+  assert f32_bytes == 4 * n_params and bf16_bytes == 2 * n_params
 
 
 def test_train_state_under_shard_map_one_poisoned_replica_skips_everywhere():

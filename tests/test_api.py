@@ -142,7 +142,7 @@ def test_lazy_names_are_listed_by_dir():
 PUBLIC_MODULES = {
     "auditing": {"audit", "AuditReport", "AuditRow", "FLAGS", "HALF_MATMUL"},
     "autocasting": {"autocast", "primitive_name"},
-    "distributed": {"mark_varying", "reduce_gradients",
+    "distributed": {"collectives", "Collective", "mark_varying", "reduce_gradients",
                     "is_replicated_everywhere", "AxisName"},
     "flax": {"wrap", "policy_map", "default_rules"},
     "hardware": {"Hardware", "describe", "measure_matmuls", "CPU_FLAGS"},

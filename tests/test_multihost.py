@@ -333,10 +333,10 @@ def test_matches_a_plain_one_process_run_up_to_summation_order(
   # The decisions are exactly the same ...
   assert ours["scales"] == reference["scales"]
   assert ours["skipped"] == reference["skipped"]
-  # ... the values only as close as sums in another order allow. The
-  # gradients are all-reduced in float16 (the compute dtype: XLA reduces the
-  # dots' partial sums before the cast to float32), so their rounding
-  # differs; measured here: losses 6e-5 relative, parameters 1.1e-4 apart.
+  # ... the values only as close as sums in another order allow (float32
+  # partial sums for the engine's flows, float16 ones for with_loss_scale,
+  # whose step casts and calls jax.grad itself); measured here: losses 6e-5
+  # relative, parameters 1.1e-4 apart.
   np.testing.assert_allclose(ours["losses"], reference["losses"], rtol=5e-4)
   for name in ours["params"]:
     np.testing.assert_allclose(_floats(ours["params"][name]),
@@ -347,3 +347,71 @@ def test_matches_a_plain_one_process_run_up_to_summation_order(
 def test_each_step_compiles_once(two_processes, one_process, flow):
   for p in (*two_processes, one_process):
     assert p["flows"][flow]["compiles"] == 1
+
+
+# ------------------------------------------------- FSDP-style sharding (2 x 4)
+
+FSDP = WORKERS / "fsdp.py"
+FSDP_POISONED = {2: (40, 3), 5: (7, 1)}  # the worker's POISONED
+
+
+@pytest.fixture
+def fsdp_two(request, tmp_path_factory):
+  return _once_per_session(request, tmp_path_factory, "fsdp-2x4", lambda: [
+      r.result for r in run_processes(FSDP, num_processes=2, devices_per_process=4,
+                                      timeout=TIMEOUT)])
+
+
+@pytest.fixture
+def fsdp_one(request, tmp_path_factory):
+  return _once_per_session(request, tmp_path_factory, "fsdp-1x8", lambda: [
+      r.result for r in run_processes(FSDP, num_processes=1, devices_per_process=8,
+                                      timeout=TIMEOUT)])[0]
+
+
+def test_fsdp_shards_params_and_optimizer_state_and_replicates_the_loss_scale(fsdp_two):
+  for p in fsdp_two:
+    assert p["param_specs"] == {"['w1']": "P('data', 'model')", "['b1']": "P('model',)",
+                                "['w2']": "P('model', 'data')"}
+    moments = {k: v for k, v in p["opt_state_specs"].items() if ".mu" in k or ".nu" in k}
+    assert len(moments) == 6
+    for key, spec in moments.items():
+      assert spec == p["param_specs"][key[key.rindex("['"):]], (key, spec)
+    assert p["loss_scale_replicated"] and p["scalars_replicated"]
+    assert p["compiles"] == 1
+
+
+def test_fsdp_an_overflow_in_one_process_rows_skips_everywhere(fsdp_two):
+  assert fsdp_two[0]["local_rows"] == list(range(32))
+  for p in fsdp_two:
+    assert [i for i, s in enumerate(p["skipped"]) if s] == sorted(FSDP_POISONED)
+    for step in FSDP_POISONED:
+      assert p["scales"][step + 1] == p["scales"][step] / 2
+
+
+def test_fsdp_processes_agree_and_match_one_process_bitwise(fsdp_two, fsdp_one):
+  for p in fsdp_two:
+    for key in ("losses", "scales", "skipped", "params_digest", "opt_state_digest"):
+      assert p[key] == fsdp_one[key], key
+
+
+def _reductions(ops):
+  return [op for op in ops if op[0] in ("all-reduce", "reduce-scatter") and op[2]]
+
+
+def test_fsdp_gradients_are_reduced_in_the_policy_reduce_dtype(fsdp_two):
+  ops = fsdp_two[0]["collectives"]
+  f32, bf16, plain = (_reductions(ops[k]) for k in ("f32", "bf16", "plain"))
+  # Every array reduction (gradients, and the row-parallel layer's forward
+  # partial sums) in the policy's reduce dtype: float32 by default ...
+  assert f32 and {op[1] for op in f32} == {"float32"}, f32
+  # ... bfloat16 when the policy asks, as a step that casts and calls
+  # jax.grad itself gets whatever the policy says.
+  assert {op[1] for op in bf16} == {"bfloat16"}, bf16
+  assert {op[1] for op in plain} == {"bfloat16"}, plain
+  # The same reductions, twice the bytes: the measured cost of float32.
+  assert len(f32) == len(bf16)
+  assert sum(op[3] for op in f32) == 2 * sum(op[3] for op in bf16)
+  # Parameters are gathered in the compute dtype, after their cast.
+  gathers = [op for op in ops["f32"] if op[0] == "all-gather"]
+  assert gathers and {op[1] for op in gathers} == {"bfloat16"}, gathers

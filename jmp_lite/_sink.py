@@ -1,0 +1,135 @@
+"""Downcasts moved past data movement, so that gradients are summed wide.
+
+A policy casts a float32 parameter to the compute dtype and the model then
+moves the narrow copy around before any arithmetic: a bias is broadcast over
+the batch, an embedding table is gathered from, a kernel is reshaped. Each of
+those ops transposes to a sum in the backward pass (``reduce_sum`` for a
+broadcast, a scatter-add for a gather), and autodiff runs that sum in the
+dtype the op ran in: the narrow one. Under ``jit`` with a sharded batch the
+sum spans devices, and XLA's partitioner all-reduces its partial sums in that
+dtype, whatever the policy's ``reduce_dtype`` says.
+
+A downcast value passed into a ``jit`` call (``jnp.take`` is one) is passed
+wide instead, and downcast at the top of the call's body, where the same
+rewrite continues.
+
+Elementwise ops broadcast size-1 dimensions themselves (``h + b[None]``) and
+sum them back in their transpose, in their dtype: a downcast operand that
+such an op broadcasts gets the broadcast made explicit, then moved past it.
+
+Moving the downcast after the op (``convert(broadcast(w))`` for
+``broadcast(convert(w))``) computes the same array, bit for bit: these ops
+copy values without arithmetic. Its transpose is the sum in float32, then one
+rounding; the partial sums cross devices in float32. The cost is the op's own
+output in float32 when XLA does not fuse the convert into its consumer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax import lax
+
+from jmp_lite import _dtypes
+from jmp_lite import _internals
+
+# Ops whose result is a selection or a copy of their first operand's values,
+# whatever its dtype: the other operands (a gather's indices) are integers,
+# and no parameter names a floating dtype. Broadcasts and gathers transpose to
+# sums; reshapes (row-major bitcasts) are passed through on the way to one.
+# Not transposes: XLA:CPU would run the downcast into a transposed layout,
+# which its bf16 dot kernels refuse, and their transposes sum nothing.
+MOVES = frozenset({
+    "broadcast_in_dim", "gather", "reshape", "squeeze", "expand_dims"})
+# Calls whose body sees its arguments as they are (``jnp.take`` is one): a
+# downcast argument becomes a wide one, downcast at the top of the body.
+CALLS = frozenset({"jit", "pjit"})
+# Elementwise ops that broadcast size-1 dimensions of an operand implicitly.
+BROADCASTING = frozenset({"add", "sub", "mul", "div", "max", "min", "add_any"})
+
+
+def _is_var(v) -> bool:
+  return isinstance(v, _internals.core.Var) and not isinstance(
+      v, _internals.core.DropVar)
+
+
+def sink(eqns: list) -> list:
+  """``eqns`` with each downcast of a wider float moved past the moves reading it.
+
+  A downcast stays where it is for its other readers (XLA drops it if none
+  is left); each move of its result is rewired to read the wide value, and a
+  downcast of the move's result takes the move's place.
+  """
+  wide_of = {}  # narrow var -> (its wide source, the downcast that made it)
+  out = []
+
+  def move(eqn, invars):
+    """``eqn`` (a move of a downcast value) on the wide value, then a downcast."""
+    wide, downcast = wide_of[eqn.invars[0]]
+    narrow_out = eqn.outvars[0]
+    wide_out = _internals.new_var(narrow_out.aval.update(
+        dtype=wide.aval.dtype, weak_type=False))
+    out.append(_internals.rewire(eqn, [wide, *invars[1:]], [wide_out]))
+    # The downcast's own ``sharding`` is for its old shape; the new one keeps
+    # what the move's output has.
+    moved = _internals.replace_eqn(
+        _internals.rewire(downcast, [wide_out], [narrow_out]),
+        downcast.primitive, dict(downcast.params, sharding=None))
+    out.append(moved)
+    wide_of[narrow_out] = (wide_out, moved)
+
+  def into_call(eqn):
+    """``eqn`` (a ``jit`` call) taking the wide values, its body downcasting."""
+    closed = eqn.params["jaxpr"]
+    inner = closed.jaxpr
+    invars, outer, prelude = list(inner.invars), list(eqn.invars), []
+    for i, v in enumerate(eqn.invars):
+      if _is_var(v) and v in wide_of:
+        wide, downcast = wide_of[v]
+        w = _internals.new_var(invars[i].aval.update(
+            dtype=wide.aval.dtype, weak_type=False))
+        prelude.append(_internals.replace_eqn(
+            _internals.rewire(downcast, [w], [invars[i]]), downcast.primitive,
+            dict(downcast.params, sharding=None)))
+        invars[i], outer[i] = w, wide
+    if not prelude:
+      return eqn
+    body = inner.replace(invars=invars, eqns=sink(prelude + list(inner.eqns)))
+    return _internals.replace_eqn(
+        _internals.rewire(eqn, outer, eqn.outvars), eqn.primitive,
+        dict(eqn.params, jaxpr=_internals.closed(body, closed.consts)))
+
+  for eqn in eqns:
+    name = eqn.primitive.name
+    if name in CALLS:
+      out.append(into_call(eqn))
+      continue
+    if name in BROADCASTING and len(eqn.outvars) == 1:
+      shape = tuple(eqn.outvars[0].aval.shape)
+      invars = list(eqn.invars)
+      for i, v in enumerate(invars):
+        if (_is_var(v) and v in wide_of and tuple(v.aval.shape) != shape
+            and len(v.aval.shape) == len(shape)):
+          full = _internals.new_var(v.aval.update(shape=shape))
+          broadcast = _internals.replace_eqn(
+              _internals.rewire(eqn, [v], [full]), lax.broadcast_in_dim_p,
+              {"shape": shape, "broadcast_dimensions": tuple(range(len(shape))),
+               "sharding": None})
+          move(broadcast, [v])
+          invars[i] = full
+      if invars != list(eqn.invars):
+        eqn = _internals.rewire(eqn, invars, eqn.outvars)
+    if name == "convert_element_type":
+      src, dst = eqn.invars[0], eqn.outvars[0]
+      if (_is_var(src) and _is_var(dst)
+          and _dtypes.is_narrow_float(dst.aval.dtype)
+          and np.issubdtype(src.aval.dtype, np.floating)
+          and np.dtype(src.aval.dtype).itemsize > np.dtype(dst.aval.dtype).itemsize):
+        wide_of[dst] = (src, eqn)
+    elif (name in MOVES and eqn.invars and _is_var(eqn.invars[0])
+          and eqn.invars[0] in wide_of and len(eqn.outvars) == 1
+          and _is_var(eqn.outvars[0])):
+      move(eqn, eqn.invars)
+      continue
+    out.append(eqn)
+  return out
