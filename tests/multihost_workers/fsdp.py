@@ -19,6 +19,8 @@ Importing this module (pytest's doctest collection does) touches no device.
 """
 
 import hashlib
+import os
+import sys
 import warnings
 
 import jax
@@ -26,6 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for pytest's import
+import _data  # noqa: E402  (this directory's shared data)
 
 import jmp_lite
 from jmp_lite import distributed
@@ -41,19 +46,11 @@ SPECS = {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data")}
 
 
 def _batches():
-  rng = np.random.default_rng(0)
-  xs = rng.standard_normal((N_STEPS, BATCH, D_IN)).astype(np.float32)
-  ys = rng.standard_normal((N_STEPS, BATCH, D_OUT)).astype(np.float32)
-  for step, (row, col) in POISONED.items():
-    xs[step, row, col] = np.inf
-  return xs, ys
+  return _data.batches(N_STEPS, BATCH, D_IN, D_OUT, POISONED)
 
 
 def _initial_params():
-  rng = np.random.default_rng(1)
-  return {"w1": (rng.standard_normal((D_IN, D_HIDDEN)) / 4).astype(np.float32),
-          "b1": (rng.standard_normal((D_HIDDEN,)) / 4).astype(np.float32),
-          "w2": (rng.standard_normal((D_HIDDEN, D_OUT)) / 8).astype(np.float32)}
+  return _data.mlp_params(D_IN, D_HIDDEN, D_OUT, w2_scale=8)
 
 
 def loss_fn(params, x, y):
