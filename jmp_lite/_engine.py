@@ -88,10 +88,12 @@ def _source(eqn) -> str:
 class _Rewriter:
   """One rewrite: a memo of rewritten jaxprs and how to report gaps."""
 
-  def __init__(self, strict: bool, islands: bool = True, reduce_dtype=None):
+  def __init__(self, strict: bool, islands: bool = True, reduce_dtype=None,
+               sink: bool = True):
     self.strict = strict
     self.islands = islands
     self.reduce_dtype = _accumulate.narrow_reduce_dtype(reduce_dtype)
+    self.sink = sink
     self.memo: dict[int, Any] = {}
     self.known = None
 
@@ -106,7 +108,7 @@ class _Rewriter:
     key = id(jaxpr)
     if key not in self.memo:
       eqns = [self.eqn(e) for e in jaxpr.eqns]
-      if self.reduce_dtype is None:
+      if self.sink and self.reduce_dtype is None:
         # Gradients summed by data movement's transposes (a bias's, an
         # embedding's) are summed, and reduced across devices, wide.
         eqns = _sink.sink(eqns)
@@ -229,7 +231,7 @@ def _freeze(x):
 
 
 def rewrite(closed, *, strict: bool = False, islands: bool = True,
-            reduce_dtype=None):
+            reduce_dtype=None, sink: bool = True):
   """``closed`` (a `ClosedJaxpr`) with every narrow matmul accumulating in f32.
 
   With ``islands``, float32 stretches of the narrow computation (norms) are
@@ -237,12 +239,12 @@ def rewrite(closed, *, strict: bool = False, islands: bool = True,
   ``reduce_dtype``: what partial sums of a product whose contraction XLA
   splits across devices are reduced in (`jmp_lite._accumulate`).
   """
-  return _Rewriter(strict, islands, reduce_dtype).closed(closed)
+  return _Rewriter(strict, islands, reduce_dtype, sink).closed(closed)
 
 
 def accumulate(fun: Callable[..., Any], *, strict: bool = False,
                cache: bool = True, islands: bool = True,
-               reduce_dtype=None) -> Callable[..., Any]:
+               reduce_dtype=None, sink: bool = True) -> Callable[..., Any]:
   """``fun`` with every narrow matmul accumulating in float32, everywhere.
 
   Partial sums of a product that XLA's partitioner splits across devices (a
@@ -280,7 +282,8 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
 
     closed = jax.make_jaxpr(split_out)(*dynamic)
     arrays = iter(jex.core.jaxpr_as_fun(rewrite(
-        closed, strict=strict, islands=islands, reduce_dtype=reduce_dtype))(
+        closed, strict=strict, islands=islands, reduce_dtype=reduce_dtype,
+        sink=sink))(
         *dynamic))
     out_tree, n = static_out.pop("tree")
     out = [static_out[i] if i in static_out else next(arrays) for i in range(n)]

@@ -239,5 +239,7 @@ def autocast(fun: Callable[..., Any],
   # The engine traces the interpreted function once per argument structure
   # and gives every matmul the interpreter leaves narrow (custom rules,
   # opaque bodies) float32 accumulation.
+  # (No moved downcasts: the interpreter has placed every cast by its lists
+  # already, and its reductions run in float32.)
   return _engine.accumulate(interpreted, strict=strict,
-                            reduce_dtype=rules.reduce)
+                            reduce_dtype=rules.reduce, sink=False)
