@@ -253,6 +253,45 @@ def user_frames(eqn):
   return list(source_info_util.user_frames(eqn.source_info.traceback))
 
 
+# --- How a traced value was computed ------------------------------------------
+# For `jmp_lite._provenance`, which finds a gradient JAX's autodiff already
+# summed across devices, even after later per-device operations.
+
+
+def producer(x):
+  """``(eqn, output_index)`` of the equation that computed ``x``, or None.
+
+  None for anything but a value traced to a jaxpr (``jit``, ``shard_map``)
+  that an equation of the current trace produced (arguments, constants).
+  Relies on `DynamicJaxprTracer.parent`, the `TracingEqn` that bound it, with
+  ``in_tracers``, ``outvars``, ``primitive``, ``params`` and ``source_info``
+  like a `JaxprEqn`, and on ``DynamicJaxprTracer.val`` being its out var.
+  """
+  eqn = getattr(x, "parent", None)
+  if eqn is None or not hasattr(eqn, "in_tracers"):
+    return None
+  val = getattr(x, "val", None)
+  for i, v in enumerate(eqn.outvars):
+    if v is val:
+      return eqn, i
+  return None
+
+
+def eqn_inputs(eqn) -> list[Any]:
+  """The operands of a traced equation (tracers) or a jaxpr equation (vars)."""
+  return list(eqn.in_tracers) if hasattr(eqn, "in_tracers") else list(eqn.invars)
+
+
+def transposed(eqn) -> bool:
+  """Whether autodiff's transposition (the backward pass) emitted ``eqn``.
+
+  Relies on `jax.interpreters.ad.backward_pass` binding every transposed
+  equation under ``source_info_util.transform_name_stack("transpose")``, so
+  that its ``source_info.name_stack`` prints as ``transpose(jvp(...))``.
+  """
+  return "transpose(" in str(eqn.source_info.name_stack)
+
+
 # --- Higher-order primitives --------------------------------------------------
 # Parameters holding functions rather than jaxprs, by primitive: what each
 # returns when called, so that a rewrite can reach inside.

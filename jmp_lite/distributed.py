@@ -24,7 +24,11 @@ default), ``jax.grad`` with respect to replicated parameters inserts an
 all-reduce (a sum, not a mean) wherever the replicated value meets per-device
 data, in whatever dtype the parameters have there: the compute dtype, after
 ``policy.cast_to_compute``. `mark_varying` turns that off, so the gradients
-stay per-device until `reduce_gradients` averages them::
+stay per-device until `reduce_gradients` averages them. Forgetting it is
+refused: `reduce_gradients` finds a gradient JAX already summed, even after a
+per-device operation made it look per-device again (it reads the trace), and
+a skip decision that may differ between devices (``axis_name`` left out) is
+refused where it is made::
 
     def step(params, opt_state, batch):           # inside shard_map
       scale = jmp_lite.optax.get_loss_scale(opt_state)
@@ -44,6 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _hlo
+from jmp_lite import _provenance
+from jmp_lite import _replicas
 from jmp_lite._hlo import Collective
 from jmp_lite.loss_scale import _check_axis_name
 from jmp_lite._dtypes import is_floating
@@ -74,24 +80,6 @@ def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
   return (name,) if isinstance(name, str) else tuple(name)
 
 
-def _varying_axes(x: Any) -> frozenset:
-  """The manual mesh axes ``x`` varies over (empty where JAX does not track them)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # jax >= 0.9
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))  # jax 0.6 to 0.8
-
-
-def _tracks_varying(axes: tuple[str, ...]) -> bool:
-  """Whether JAX tracks per-device variation here (``shard_map(check_vma=True)``).
-
-  ``axis_index`` varies over its axis by definition; under ``pmap`` and
-  ``shard_map(check_vma=False)`` nothing is tracked and it reports no axes.
-  """
-  return all(a in _varying_axes(jax.lax.axis_index(a)) for a in axes)
-
-
 def mark_varying(tree: T, axis_name: AxisName) -> T:
   """Marks replicated values as per-device, so ``jax.grad`` leaves gradients unreduced.
 
@@ -115,8 +103,8 @@ def mark_varying(tree: T, axis_name: AxisName) -> T:
   def mark(x):
     if not hasattr(x, "dtype"):
       return x
-    missing = tuple(a for a in axes if a not in _varying_axes(x))
-    if not missing or not _tracks_varying(missing):
+    missing = tuple(a for a in axes if a not in _replicas.varying_axes(x))
+    if not missing or not _replicas.tracks_varying(missing):
       return x
     cast = getattr(jax.lax, "pcast", None)
     if cast is not None:
@@ -161,9 +149,11 @@ def reduce_gradients(
   Raises:
     TypeError: if ``axis_name`` is not a name or tuple of names.
     ValueError: if a floating leaf was already reduced by JAX over one of
-      the axes (it is invariant there: ``jax.grad`` was taken with respect to
-      replicated parameters inside ``shard_map``); the message names the leaf
-      and the fix, `mark_varying`.
+      the axes: ``jax.grad`` was taken with respect to replicated parameters
+      inside ``shard_map``, so the leaf is invariant there, or was made
+      per-device again by an operation after ``jax.grad`` (read from the
+      trace under ``jit``). The message names the leaf and the fix,
+      `mark_varying`.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -191,9 +181,9 @@ def reduce_gradients(
       continue
     g = jnp.asarray(g)
     if tracked is None:
-      tracked = _tracks_varying(axes)
+      tracked = _replicas.tracks_varying(axes)
     if tracked:
-      invariant = [a for a in axes if a not in _varying_axes(g)]
+      invariant = [a for a in axes if a not in _replicas.varying_axes(g)]
       if invariant:
         raise ValueError(
             f"reduce_gradients: gradient {jax.tree_util.keystr(path) or '(root)'} "
@@ -203,6 +193,17 @@ def reduce_gradients(
             "differentiated with respect to a replicated value. Differentiate "
             "with respect to jmp_lite.distributed.mark_varying(params, "
             f"{axis_name!r}) instead.")
+      for a in axes:
+        summed_in = _provenance.summed_by_autodiff(g, a)
+        if summed_in is not None:
+          raise ValueError(
+              f"reduce_gradients: gradient {jax.tree_util.keystr(path) or '(root)'} "
+              f"({g.dtype.name}{list(g.shape)}) was already summed over "
+              f"{a!r} by JAX, in {jnp.dtype(summed_in).name}, when "
+              "jax.grad differentiated a replicated value; an operation "
+              "after jax.grad made it per-device again, and reducing it "
+              "here would sum it twice. Differentiate with respect to "
+              f"jmp_lite.distributed.mark_varying(params, {axis_name!r}).")
     if policy is not None:
       reduce_dtype = policy.reduce_dtype
       out_dtype = g.dtype if is_low_bit_float(g.dtype) else policy.param_dtype

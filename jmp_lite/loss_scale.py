@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _replicas
 from jmp_lite import _struct
 from jmp_lite._dtypes import is_inexact
 from jmp_lite._dtypes import is_low_bit_float
@@ -289,6 +290,10 @@ class DynamicLossScale:
   def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
     """Returns the next state dependent on whether grads are finite."""
     finite = _check_flag(grads_finite, "DynamicLossScale.adjust(grads_finite)")
+    # Under shard_map(check_vma=True) a flag that differs between devices
+    # would make the replicated scale diverge; reduce it with axis_name.
+    _replicas.check_decision(finite, None, "DynamicLossScale.adjust",
+                             untracked=False)
     scale = self.loss_scale.astype(jnp.float32)
     grown = scale * self.factor
     grown = jnp.where(jnp.isfinite(grown),

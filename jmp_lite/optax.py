@@ -50,6 +50,7 @@ import numpy as np
 import optax
 
 from jmp_lite import _checks
+from jmp_lite import _replicas
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._unscale import apply_updates
@@ -290,6 +291,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     finite = info.finite & earlier_ok
     if axis_name is not None:
       finite = jax.lax.psum((~finite).astype(jnp.int32), axis_name) == 0
+    _replicas.check_decision(finite, axis_name, "with_loss_scale")
     like = params if params is not None else grads
 
     def apply():
@@ -316,6 +318,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
       applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
       if axis_name is not None:
         applied = jax.lax.psum((~applied).astype(jnp.int32), axis_name) == 0
+      _replicas.check_decision(applied, axis_name, "with_loss_scale")
       # One more pass over the state, what the guard costs (bench/, guard
       # section); choosing with a second cond instead copies every buffer.
       updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)),

@@ -22,6 +22,7 @@ import optax
 
 from jmp_lite import _dtypes
 from jmp_lite import _engine
+from jmp_lite import _replicas
 from jmp_lite import autocasting
 from jmp_lite import distributed
 from jmp_lite import loss_scale as ls_lib
@@ -173,7 +174,9 @@ def value_and_grad(
           f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
     value, grads = scaled_vg(loss_scale, *args, **kwargs)
     grads = loss_scale.unscale(grads)
-    return value, grads, ls_lib.all_finite(grads, axis_name=axis_name)
+    finite = ls_lib.all_finite(grads, axis_name=axis_name)
+    _replicas.check_decision(finite, axis_name, "value_and_grad")
+    return value, grads, finite
 
   return functools.wraps(fun)(wrapped)
 
@@ -291,6 +294,7 @@ class TrainState(flax.struct.PyTreeNode):
       The new state and a `StepInfo`.
     """
     params = self.params
+    _replicas.check_replicated_params(params, self.axis_name, "TrainState.minimize")
     if self.axis_name is not None:
       # Per-device gradients, so that JAX does not sum them itself in the
       # compute dtype; reduce_gradients averages them in reduce_dtype.

@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jmp_lite
+from jmp_lite import _provenance
 from jmp_lite import distributed
 from jmp_lite import optax as jo
 from jmp_lite.testing import inject_nonfinite
@@ -282,8 +283,15 @@ def test_shard_map_one_poisoned_replica_makes_every_replica_skip(api, axes):
   flags = np.asarray(agree(w, x)).ravel()
   assert flags.shape == (8,) and not flags.any()
   # Without axis_name only the poisoned replica sees the overflow: the
-  # reduction is what makes them agree.
+  # reduction is what makes them agree. all_finite answers per device, as
+  # asked; value_and_grad's flag is a skip decision, and one that differs
+  # between devices is refused.
   alone = _per_replica(lambda w, x: replica(w, x, None), mesh, (P(), P(axes)))
+  if api == "value_and_grad":
+    with pytest.raises(ValueError, match=r"value_and_grad: the decision to skip "
+                       r"the step differs between the devices of mesh axes"):
+      alone(w, x)
+    return
   flags = np.asarray(alone(w, x)).ravel()
   assert flags.sum() == 7 and not flags[3]
 
@@ -305,13 +313,21 @@ def test_shard_map_with_loss_scale_one_poisoned_replica_skips_everywhere(axes):
     new_w = optax.apply_updates(w, updates)
     return (~state.skipped).reshape(1), new_w
 
-  for reduce_over, n_finite in [(axis_name, 0), (None, 7)]:
-    f = jax.jit(jax.shard_map(lambda w: replica(w, reduce_over), mesh=mesh,
-                              in_specs=P(axes), out_specs=(P(axes), P(axes))))
+  for check_vma in (True, False):
+    f = jax.jit(jax.shard_map(lambda w: replica(w, axis_name), mesh=mesh,
+                              in_specs=P(axes), out_specs=(P(axes), P(axes)),
+                              check_vma=check_vma))
     finite, new_w = f(w)
-    assert np.asarray(finite).sum() == n_finite
-    if n_finite == 0:
-      assert np.asarray(new_w).tobytes() == np.asarray(w).tobytes()
+    assert np.asarray(finite).sum() == 0
+    assert np.asarray(new_w).tobytes() == np.asarray(w).tobytes()
+    # Without axis_name only replica 3 would skip, and the replicas would
+    # diverge: refused, whether or not JAX tracks what varies.
+    alone = jax.jit(jax.shard_map(lambda w: replica(w, None), mesh=mesh,
+                                  in_specs=P(axes), out_specs=(P(axes), P(axes)),
+                                  check_vma=check_vma))
+    with pytest.raises(ValueError, match=r"with_loss_scale: .*Pass axis_name="
+                       + re.escape(repr(axis_name))):
+      alone(w)
 
 
 # Under shard_map a device sums its 8 rows of a float16 weight gradient
@@ -419,6 +435,173 @@ def test_reduce_gradients_rejects_gradients_jax_already_reduced():
   f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
   with pytest.raises(ValueError, match=r"\['b1'\].*already reduced over \('data',\).*mark_varying"):
     f(params, x)
+
+
+
+def _per_device_one():
+  """1.0, typed per-device: what any per-replica operation brings in."""
+  return 1.0 + 0.0 * jax.lax.axis_index("data").astype(jnp.float32)
+
+
+def _bn_loss(params, x, y):
+  """`_loss` with the hidden layer normalised by cross-device (synced) stats."""
+  h = x.astype(params["w1"].dtype) @ params["w1"] + params["b1"]
+  mean = jax.lax.pmean(jnp.mean(h, 0), "data")
+  h = jnp.tanh(h - mean)
+  return jnp.mean(((h @ params["w2"]).astype(jnp.float32) - y) ** 2)
+
+
+def _forgot_then(after):
+  """Gradients of replicated (unmarked) params, then ``after`` before the reduction."""
+  def grads_fn(params, x, y):
+    loss = lambda p: _loss(POLICY.cast_to_compute(p), x, y)
+    return after(params, x, y, loss)
+  return grads_fn
+
+
+# Each forgets mark_varying, then makes the (already summed) gradients
+# per-device again, so that their type no longer shows the sum.
+_DEFEATED = {
+    "masked": lambda p, x, y, loss: jax.tree.map(
+        lambda g: g * _per_device_one(), jax.grad(loss)(p)),
+    "local_weight_decay": lambda p, x, y, loss: jax.tree.map(
+        lambda g, w: g + 1e-4 * w * _per_device_one(), jax.grad(loss)(p), p),
+    "jit_inside": lambda p, x, y, loss: jax.tree.map(
+        lambda g: g * _per_device_one(), jax.jit(jax.grad(loss))(p)),
+    "remat": lambda p, x, y, loss: jax.tree.map(
+        lambda g: g * _per_device_one(), jax.grad(jax.checkpoint(loss))(p)),
+    "scan_accumulation": lambda p, x, y, loss: jax.lax.scan(
+        lambda acc, xy: (jax.tree.map(jnp.add, acc, jax.grad(
+            lambda q: _loss(POLICY.cast_to_compute(q), *xy))(p)), None),
+        distributed.mark_varying(jax.tree.map(jnp.zeros_like, p), "data"),
+        (x.reshape(2, -1, D_IN), y.reshape(2, -1, D_OUT)))[0],
+}
+
+# Correct flows (mark_varying) with the same kinds of operations, and
+# reductions inside the backward pass (a synced batch norm): never refused.
+_MARKED = {
+    "masked": lambda p, x, y, loss: jax.tree.map(
+        lambda g: g * _per_device_one(), jax.grad(loss)(distributed.mark_varying(p, "data"))),
+    "weight_decay_from_replicated_params": lambda p, x, y, loss: jax.tree.map(
+        lambda g, w: g + 1e-4 * w, jax.grad(loss)(distributed.mark_varying(p, "data")), p),
+    "clipped_by_global_norm": lambda p, x, y, loss: (lambda g: jax.tree.map(
+        lambda a: a / jnp.sqrt(jax.lax.psum(sum(jnp.sum(b * b) for b in jax.tree.leaves(g)),
+                                            "data")), g))(
+        jax.grad(loss)(distributed.mark_varying(p, "data"))),
+    "synced_batch_norm": lambda p, x, y, loss: jax.grad(
+        lambda q: _bn_loss(POLICY.cast_to_compute(q), x, y))(distributed.mark_varying(p, "data")),
+    "scan_accumulation": lambda p, x, y, loss: (lambda q: jax.lax.scan(
+        lambda acc, xy: (jax.tree.map(jnp.add, acc, jax.grad(
+            lambda r: _loss(POLICY.cast_to_compute(r), *xy))(q)), None),
+        jax.tree.map(jnp.zeros_like, q),
+        (x.reshape(2, -1, D_IN), y.reshape(2, -1, D_OUT)))[0])(
+            distributed.mark_varying(p, "data")),
+}
+
+
+def _reduced(grads_fn):
+  mesh = _mesh((8,), ("data",))
+  xs, ys = _batches()
+  x = jax.device_put(xs[0], NamedSharding(mesh, P("data")))
+  y = jax.device_put(ys[0], NamedSharding(mesh, P("data")))
+  params = jax.device_put(_params(), NamedSharding(mesh, P()))
+
+  def step(params, x, y):
+    return distributed.reduce_gradients(grads_fn(params, x, y), "data", policy=POLICY)
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                            out_specs=P()))
+  return lambda: f(params, x, y)
+
+
+@pytest.mark.parametrize("after", sorted(_DEFEATED))
+def test_reduce_gradients_finds_a_sum_by_jax_after_later_per_device_ops(after):
+  run = _reduced(_forgot_then(_DEFEATED[after]))
+  with pytest.raises(ValueError, match=r"gradient \['(b1|w1|w2)'\] \(float32\[\d+(, \d+)?\]\) "
+                     r"was already summed over 'data' by JAX, in float16.*mark_varying"):
+    run()
+
+
+@pytest.mark.parametrize("flow", sorted(_MARKED))
+def test_reduce_gradients_accepts_marked_flows_with_the_same_ops(flow):
+  grads = jax.tree.map(np.asarray, _reduced(_forgot_then(_MARKED[flow]))())
+  assert all(np.isfinite(g).all() and g.dtype == np.float32 for g in jax.tree.leaves(grads))
+
+
+def test_what_the_check_prevents_a_defeated_sum_is_eight_times_the_mean(monkeypatch):
+  # Oracle: the full batch's gradient on one device. The marked flow gives
+  # it; the defeated one, with the check switched off, gives 8 times it.
+  xs, ys = _batches()
+  full = jax.grad(lambda p: _loss(POLICY.cast_to_compute(p), xs[0], ys[0]))(_params())
+  marked = _reduced(_forgot_then(_MARKED["masked"]))()
+  monkeypatch.setattr(_provenance, "summed_by_autodiff", lambda g, axis: None)
+  defeated = _reduced(_forgot_then(_DEFEATED["masked"]))()
+  for want, good, bad in zip(*map(jax.tree.leaves, (full, marked, defeated))):
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(good), want, rtol=2e-2, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(bad), 8 * want, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_train_state_in_shard_map_without_axis_name_is_refused(check_vma):
+  mesh = _mesh((8,), ("data",))
+  state = jmp_lite.TrainState.create(
+      apply_fn=None, params={"w": jnp.ones((D_IN, 2))}, tx=optax.sgd(0.1),
+      loss_scale=jmp_lite.StaticLossScale(2.0), policy="p=f32,c=bf16,o=f32")
+  x = jax.device_put(jnp.ones((BATCH, D_IN)), NamedSharding(mesh, P("data")))
+
+  def step(state, x):
+    state, info = state.minimize(lambda p: jnp.mean(x.astype(p["w"].dtype) @ p["w"]))
+    return state
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                            check_vma=check_vma))
+  expected = (r"parameter \['w'\] is replicated over the mesh axes \('data',\).*"
+              r"axis_name='data'" if check_vma else
+              r"runs inside shard_map with check_vma=False.*\('data',\).*axis_name='data'")
+  with pytest.raises(ValueError, match="TrainState.minimize: " + expected):
+    f(state, x)
+
+
+@pytest.mark.parametrize("api", ["value_and_grad", "with_loss_scale"])
+def test_without_check_vma_a_missing_axis_name_is_refused(api):
+  mesh = _mesh((4, 2), ("data", "model"))
+  x = jax.device_put(jnp.ones((BATCH, D_IN)), NamedSharding(mesh, P(("data", "model"))))
+  w = jnp.ones((D_IN, 2))
+
+  def step(w, x, axis_name):
+    loss = lambda w: jnp.mean(x @ w)
+    if api == "value_and_grad":
+      return jmp_lite.value_and_grad(loss, axis_name=axis_name)(w)[2]
+    tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.StaticLossScale(2.0),
+                            axis_name=axis_name)
+    grads = distributed.reduce_gradients(jax.grad(loss)(w), ("data", "model"))
+    return tx.update(grads, tx.init(w), w)[1].skipped
+
+  def run(axis_name):
+    return jax.jit(jax.shard_map(lambda w, x: step(w, x, axis_name), mesh=mesh,
+                                 in_specs=(P(), P(("data", "model"))), out_specs=P(),
+                                 check_vma=False))(w, x)
+
+  assert bool(run(("data", "model"))) == (api == "value_and_grad")
+  for partial in (None, "data"):
+    with pytest.raises(ValueError, match=api + r": runs inside shard_map with "
+                       r"check_vma=False .*axis_name=\('data', 'model'\)"):
+      run(partial)
+
+
+def test_adjust_refuses_a_flag_that_differs_between_devices():
+  mesh = _mesh((8,), ("data",))
+  scale = jmp_lite.DynamicLossScale(jnp.float32(8.0))
+
+  def step(scale, x):
+    local = jmp_lite.all_finite(x)  # this device's rows only
+    return scale.adjust(local)
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+  with pytest.raises(ValueError, match=r"DynamicLossScale.adjust: the decision .*"
+                     r"all_finite\(grads, axis_name='data'\)"):
+    f(scale, jnp.ones((8, 2)))
 
 
 # ----------------------------------------------------------------------- HLO

@@ -167,3 +167,24 @@ def test_transformations_outside_the_engine_keep_f32_accumulation(transform):
   assert report.count(flag="half_matmul") == 0, str(report)
   assert report.count(category="matmul", accumulation=jnp.float32) == \
       report.count(category="matmul")
+
+
+def test_a_traced_value_leads_to_its_equation_and_the_backward_pass_is_marked():
+  # What jmp_lite._provenance reads: the equation behind a traced value, its
+  # operands, and whether autodiff's transposition emitted it.
+  seen = {}
+
+  def f(w, x):
+    g = jax.grad(lambda w: jnp.sum(jnp.sin(x * w)))(w)
+    out = g * 2.0
+    eqn, index = _internals.producer(out)
+    seen["mul"] = (eqn.primitive.name, index, _internals.transposed(eqn))
+    (g_in, two) = _internals.eqn_inputs(eqn)
+    back, _ = _internals.producer(g_in)
+    seen["grad"] = _internals.transposed(back)
+    seen["arg"] = _internals.producer(w)
+    return out
+
+  jax.jit(f).trace(jnp.ones(3), jnp.ones(3))
+  assert seen == {"mul": ("mul", 0, False), "grad": True, "arg": None}
+  assert _internals.producer(jnp.ones(3)) is None  # a concrete array

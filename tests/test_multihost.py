@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -40,7 +41,8 @@ from jmp_lite.testing import MultiProcessError, ProcessResult, run_processes
 WORKERS = pathlib.Path(__file__).with_name("multihost_workers")
 HARNESS = WORKERS / "harness.py"
 DATA_PARALLEL = WORKERS / "data_parallel.py"
-FLOWS = ("train_state", "value_and_grad", "with_loss_scale")
+FLOWS = ("train_state", "value_and_grad", "with_loss_scale", "shard_map_train_state",
+         "shard_map_by_hand")
 # step -> (row, column) of the inf in the global batch; the worker's POISONED.
 POISONED = {3: (45, 2), 6: (10, 7)}
 TIMEOUT = 240  # seconds per launch: a hang fails the test instead of blocking CI
@@ -341,6 +343,19 @@ def test_matches_a_plain_one_process_run_up_to_summation_order(
   for name in ours["params"]:
     np.testing.assert_allclose(_floats(ours["params"][name]),
                                _floats(reference["params"][name]), rtol=0, atol=1e-3)
+
+
+def test_under_shard_map_a_forgotten_axis_name_or_mark_varying_is_refused_everywhere(
+    two_processes):
+  # Each would let the replicas diverge silently (or sum gradients twice);
+  # every process refuses at trace time, before a collective could hang.
+  p0, p1 = (p["refusals"] for p in two_processes)
+  assert p0 == p1
+  assert re.match(r"with_loss_scale: runs inside shard_map with check_vma=False .*"
+                  r"\('data',\).*Pass axis_name='data'", p0["forgot_axis_name"])
+  assert re.match(r"reduce_gradients: gradient \['b1'\] \(float32\[32\]\) was already "
+                  r"summed over 'data' by JAX, in float16.*mark_varying",
+                  p0["forgot_mark_varying"])
 
 
 @pytest.mark.parametrize("flow", FLOWS)

@@ -10,7 +10,13 @@ global batches and feeds only the rows its own devices hold
 * ``value_and_grad``: `jmp_lite.value_and_grad`, ``loss_scale.adjust`` and
   `jmp_lite.select_tree` by hand (README, "Loss scaling by hand");
 * ``with_loss_scale``: ``jax.grad`` of the scaled loss into
-  `jmp_lite.optax.with_loss_scale` (README, "as one optax transformation").
+  `jmp_lite.optax.with_loss_scale` (README, "as one optax transformation");
+* ``shard_map_train_state`` and ``shard_map_by_hand``: the step inside
+  ``shard_map`` with ``axis_name="data"``, by `TrainState.minimize`
+  (``check_vma=True``) and by hand with ``check_vma=False``.
+
+It also reports the errors that forgetting ``axis_name`` or `mark_varying`
+inside ``shard_map`` raises (traced, not run).
 
 An inf is written into one row of the global input at each step of
 ``POISONED``; each of those rows lives on one process only. Each process
@@ -180,6 +186,80 @@ def main():
                   int(jo.find_loss_scale_state(opt_state).skipped_steps),
                   step._cache_size())
 
+  def run_shard_map(by_hand):
+    """The same step inside ``shard_map``: each device sees its own rows.
+
+    ``TrainState`` with ``axis_name`` (``check_vma=True``), or by hand with
+    ``check_vma=False``: `mark_varying`, ``jax.grad``, `reduce_gradients` and
+    `with_loss_scale` with ``axis_name``.
+    """
+    if by_hand:
+      tx = jo.with_loss_scale(optax.sgd(0.05, momentum=0.9), loss_scale(),
+                              axis_name="data")
+      carry = jax.device_put((_initial_params(), tx.init(_initial_params())), replicated)
+
+      def replica(carry, x, y):
+        params, opt_state = carry
+        scale = jo.get_loss_scale(opt_state)
+        loss = lambda p: scale.scale(loss_fn(policy.cast_to_compute(p), x, y))
+        value, grads = jax.value_and_grad(loss)(distributed.mark_varying(params, "data"))
+        grads = distributed.reduce_gradients(grads, "data", policy=policy)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        info = jo.find_loss_scale_state(opt_state)
+        loss = jax.lax.pmean(value / scale.loss_scale, "data")
+        return ((optax.apply_updates(params, updates), opt_state),
+                (scale.loss_scale, info.skipped, loss))
+    else:
+      carry = jax.device_put(jmp_lite.TrainState.create(
+          apply_fn=None, params=_initial_params(), tx=optax.sgd(0.05, momentum=0.9),
+          loss_scale=loss_scale(), policy=policy, axis_name="data"), replicated)
+
+      def replica(state, x, y):
+        state, info = state.minimize(loss_fn, x, y)
+        return state, (info.loss_scale, info.skipped, jax.lax.pmean(info.loss, "data"))
+
+    step = jax.jit(jax.shard_map(replica, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                 out_specs=P(), check_vma=not by_hand))
+    trace = []
+    for x, y in zip(xs, ys):
+      carry, (used, skipped, loss) = step(carry, feed(x), feed(y))
+      trace.append((float(used), bool(skipped), float(loss)))
+    params, opt_state = carry if by_hand else (carry.params, carry.opt_state)
+    return report(trace, params, opt_state,
+                  int(jo.find_loss_scale_state(opt_state).skipped_steps), step._cache_size())
+
+  def refusals():
+    """What forgetting ``axis_name`` or `mark_varying` under shard_map raises.
+
+    Traced only: the errors come at trace time, before any collective runs.
+    """
+    x, y = feed(xs[0]), feed(ys[0])
+    params = jax.device_put(_initial_params(), replicated)
+    per_device = lambda: 1.0 + 0.0 * jax.lax.axis_index("data").astype(jnp.float32)
+
+    def forgot_axis_name(params, x, y):  # check_vma=False
+      tx = jo.with_loss_scale(optax.sgd(0.05), loss_scale())
+      grads = jax.grad(lambda p: loss_fn(policy.cast_to_compute(p), x, y))(params)
+      grads = distributed.reduce_gradients(grads, "data", policy=policy)
+      return tx.update(grads, tx.init(params), params)[0]
+
+    def forgot_mark_varying(params, x, y):  # check_vma=True
+      grads = jax.grad(lambda p: loss_fn(policy.cast_to_compute(p), x, y))(params)
+      grads = jax.tree.map(lambda g: g * per_device(), grads)  # per-device again
+      return distributed.reduce_gradients(grads, "data", policy=policy)
+
+    out = {}
+    for name, fn, check_vma in [("forgot_axis_name", forgot_axis_name, False),
+                                ("forgot_mark_varying", forgot_mark_varying, True)]:
+      f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                out_specs=P(), check_vma=check_vma))
+      try:
+        f.trace(params, x, y)
+        out[name] = None
+      except ValueError as e:
+        out[name] = str(e).split("\n")[0]
+    return out
+
   testing.report_result({
       # Steps at which this process's own rows held an inf.
       "locally_poisoned": [i for i, x in enumerate(xs)
@@ -192,7 +272,10 @@ def main():
       "poisoned": {str(k): list(v) for k, v in POISONED.items()},
       "flows": {"train_state": run_train_state(),
                 "value_and_grad": run_value_and_grad(),
-                "with_loss_scale": run_with_loss_scale()},
+                "with_loss_scale": run_with_loss_scale(),
+                "shard_map_train_state": run_shard_map(by_hand=False),
+                "shard_map_by_hand": run_shard_map(by_hand=True)},
+      "refusals": refusals(),
   })
 
 

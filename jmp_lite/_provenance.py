@@ -1,0 +1,163 @@
+"""Finds gradients that JAX's autodiff already summed across devices.
+
+Inside ``shard_map`` with ``check_vma=True``, ``jax.grad`` with respect to a
+replicated (invariant) value transposes the ``pvary`` JAX inserted where that
+value met per-device data into a ``psum_invariant``: the gradient comes back
+summed over the axis, in the dtype the value had there, and invariant.
+`jmp_lite.distributed.reduce_gradients` would sum it a second time. Its
+invariance gives it away, until an operation after ``jax.grad`` combines it
+with anything per-device (a mask, a varying accumulator, a per-device
+weight): JAX then marks it varying again with a ``pvary`` outside the
+backward pass, and the type no longer shows what happened.
+
+`summed_by_autodiff` reads the trace instead: from a gradient, back through
+the operations after ``jax.grad`` to each non-transposed ``pvary`` over the
+axis, and from there, through values invariant over it, to a
+``psum_invariant`` the backward pass emitted. A backward pass whose own
+output is per-device is not entered, so reductions inside it (the transpose
+of a synchronised batch norm's ``pmean``) do not count; an explicit
+``psum`` of per-device values after ``jax.grad`` (a global norm) stops the
+walk, as it starts from per-device values. Jaxprs inside ``jit``, ``scan``,
+``while``, ``cond``, ``jax.checkpoint`` and custom derivatives are entered;
+a transposed equation's jaxprs count as transposed. What the trace does not
+show (outside ``jit``, other interpreters) is not reported: the check can
+miss, never cry wolf.
+
+Reading the trace relies on JAX internals, each listed in `jmp_lite._internals`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+from jax import extend as jex
+
+from jmp_lite import _internals
+
+
+def _varying(aval) -> frozenset:
+  mat = getattr(aval, "mat", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _aval(node) -> Any:
+  graph, x = node
+  return x.aval if graph is not None else jax.typeof(x)
+
+
+def _jaxprs(eqn) -> list[tuple[Any, bool]]:
+  """``(open jaxpr, is_closed)`` for each jaxpr in ``eqn``'s params."""
+  out = []
+  for value in eqn.params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, jex.core.ClosedJaxpr):
+        out.append(v.jaxpr)
+      elif isinstance(v, jex.core.Jaxpr):
+        out.append(v)
+  return out
+
+
+class _Inner:
+  """A jaxpr inside an equation: where its variables come from."""
+
+  def __init__(self, jaxpr, outer_eqn, outer_graph, in_offset, loop_from, transposed):
+    self.jaxpr = jaxpr
+    self.eqn = outer_eqn
+    self.outer = outer_graph
+    self.in_offset = in_offset  # jaxpr invar j is the eqn's operand j + in_offset
+    self.loop_from = loop_from  # invar j >= loop_from is also outvar j - loop_from
+    self.transposed = transposed
+    self.producers = {}
+    for e in jaxpr.eqns:
+      for i, v in enumerate(e.outvars):
+        self.producers[v] = (e, i)
+
+
+def _sub_graphs(eqn, graph, transposed) -> Optional[list[_Inner]]:
+  """The jaxprs of ``eqn`` whose outputs are its outputs, or None."""
+  name = eqn.primitive.name
+  n_in, n_out = len(_internals.eqn_inputs(eqn)), len(eqn.outvars)
+  if name == "scan":
+    (body,) = _jaxprs(eqn)
+    return [_Inner(body, eqn, graph, 0, eqn.params["num_consts"], transposed)]
+  if name == "while":
+    body = eqn.params["body_jaxpr"].jaxpr
+    return [_Inner(body, eqn, graph, eqn.params["cond_nconsts"],
+                   eqn.params["body_nconsts"], transposed)]
+  if name == "cond":
+    return [_Inner(b.jaxpr, eqn, graph, 1, None, transposed)
+            for b in eqn.params["branches"]]
+  inner = [j for j in _jaxprs(eqn)
+           if len(j.invars) == n_in and len(j.outvars) == n_out]
+  if not inner:
+    return None
+  # jit, closed_call, jax.checkpoint, custom_jvp_call, custom_vjp_call: the
+  # jaxpr that runs (the first of its arity) maps operands and results 1:1.
+  return [_Inner(inner[0], eqn, graph, 0, None, transposed)]
+
+
+def _producer(node):
+  """``(eqn, output index, graph the eqn's operands live in)`` or None."""
+  graph, x = node
+  if graph is None:
+    found = _internals.producer(x)
+    return None if found is None else (*found, None)
+  if isinstance(x, jex.core.Literal):
+    return None
+  found = graph.producers.get(x)
+  return None if found is None else (*found, graph)
+
+
+def _outer_sources(node) -> list[Any]:
+  """Where an inner jaxpr's input comes from: the operand, and the loop."""
+  graph, x = node
+  if graph is None or isinstance(x, jex.core.Literal) or x not in graph.jaxpr.invars:
+    return []
+  j = graph.jaxpr.invars.index(x)
+  operands = _internals.eqn_inputs(graph.eqn)
+  out = [(graph.outer, operands[j + graph.in_offset])]
+  if graph.loop_from is not None and j >= graph.loop_from:
+    out.append((graph, graph.jaxpr.outvars[j - graph.loop_from]))
+  return out
+
+
+def summed_by_autodiff(x, axis: str) -> Optional[jax.typing.DTypeLike]:
+  """The dtype of the autodiff ``psum`` over ``axis`` behind ``x``, or None."""
+  stack = [((None, x), "varying" if axis in _varying(jax.typeof(x)) else "invariant", False)]
+  seen = set()
+  while stack:
+    node, phase, in_transposed = stack.pop()
+    key = (id(node[0]), id(node[1]), phase)
+    if key in seen:
+      continue
+    seen.add(key)
+    found = _producer(node)
+    if found is None:
+      stack.extend((n, phase, in_transposed) for n in _outer_sources(node))
+      continue
+    eqn, index, graph = found
+    transposed = in_transposed or _internals.transposed(eqn)
+    name = eqn.primitive.name
+    if phase == "varying":
+      if transposed:
+        continue  # a backward pass's own per-device output
+      if name == "pvary" and axis in eqn.params.get("axes", ()):
+        stack.append(((graph, _internals.eqn_inputs(eqn)[index]), "invariant", False))
+        continue
+    elif transposed and name == "psum_invariant" and axis in eqn.params["axes"]:
+      return eqn.outvars[index].aval.dtype
+    inner = _sub_graphs(eqn, graph, transposed)
+    if inner is not None:
+      stack.extend(((g, g.jaxpr.outvars[index]), phase, transposed) for g in inner)
+      continue
+    for operand in _internals.eqn_inputs(eqn):
+      if isinstance(operand, jex.core.Literal):
+        continue
+      child = (graph, operand)
+      varying = axis in _varying(_aval(child))
+      if (phase == "varying") == varying:
+        stack.append((child, phase, transposed))
+  return None
