@@ -18,3 +18,31 @@ def mlp_params(d_in, d_hidden, d_out, w2_scale=4):
   return {"w1": (rng.standard_normal((d_in, d_hidden)) / 4).astype(np.float32),
           "b1": (rng.standard_normal((d_hidden,)) / 4).astype(np.float32),
           "w2": (rng.standard_normal((d_hidden, d_out)) / w2_scale).astype(np.float32)}
+
+
+class FsdpLayout:
+  """Where an FSDP worker's leaves and rows live on ``mesh``.
+
+  ``sharding_of(leaf)``: a parameter-shaped leaf (a parameter, a moment)
+  sharded like that parameter in ``specs``, anything else replicated.
+  ``local_rows``: the rows of a global batch this process's devices hold.
+  ``feed(batch)``: those rows, assembled into one global array.
+  """
+
+  def __init__(self, mesh, specs, params, batch_shape):
+    import jax  # here, so that importing this module touches no device
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    self._jax, self._named, self._p = jax, NamedSharding, P
+    self.mesh = mesh
+    self.shape_to_spec = {np.shape(v): specs[k] for k, v in params.items()}
+    self.by_rows = NamedSharding(mesh, P("data"))
+    index_map = self.by_rows.addressable_devices_indices_map(tuple(batch_shape))
+    self.local_rows = np.unique(np.concatenate(
+        [np.arange(batch_shape[0])[idx[0]] for idx in index_map.values()]))
+
+  def sharding_of(self, leaf):
+    return self._named(self.mesh, self.shape_to_spec.get(np.shape(leaf), self._p()))
+
+  def feed(self, batch):
+    return self._jax.make_array_from_process_local_data(
+        self.by_rows, np.ascontiguousarray(batch[self.local_rows]), batch.shape)

@@ -68,21 +68,10 @@ def main():
 
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   replicated = NamedSharding(mesh, P())
-  by_rows = NamedSharding(mesh, P("data"))
-  shape_to_spec = {np.shape(v): SPECS[k] for k, v in _initial_params().items()}
-
-  def sharding_of(leaf):
-    """A parameter-shaped leaf (a parameter, a moment) sharded like it."""
-    return NamedSharding(mesh, shape_to_spec.get(np.shape(leaf), P()))
-
-  index_map = by_rows.addressable_devices_indices_map((BATCH, D_IN))
-  local_rows = np.unique(np.concatenate(
-      [np.arange(BATCH)[idx[0]] for idx in index_map.values()]))
+  layout = _data.FsdpLayout(mesh, SPECS, _initial_params(), (BATCH, D_IN))
+  sharding_of, feed, local_rows = layout.sharding_of, layout.feed, layout.local_rows
+  shape_to_spec = layout.shape_to_spec
   xs, ys = _batches()
-
-  def feed(batch):
-    return jax.make_array_from_process_local_data(
-        by_rows, np.ascontiguousarray(batch[local_rows]), batch.shape)
 
   def make_state(policy):
     state = jmp_lite.TrainState.create(
