@@ -181,6 +181,27 @@ def value_and_grad(
   return functools.wraps(fun)(wrapped)
 
 
+def _check_param_dtypes(params: Any, policy: Optional[Policy]) -> None:
+  """Raises if a parameter left the policy's param dtype since `TrainState.create`.
+
+  ``create`` casts them; one that differs now was replaced or restored (from
+  a checkpoint, into the wrong target) in another dtype, and would otherwise
+  train silently with bf16 master weights.
+  """
+  if policy is None:
+    return
+  expected = jax.eval_shape(policy.cast_to_param, params)
+  for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree_util.tree_leaves(expected)):
+    if hasattr(leaf, "dtype") and jnp.dtype(leaf.dtype) != want.dtype:
+      raise TypeError(
+          f"TrainState.minimize: parameter {jax.tree_util.keystr(path) or '(root)'} "
+          f"is {jnp.dtype(leaf.dtype).name}{list(jnp.shape(leaf))}, but the "
+          f"policy keeps parameters in {jnp.dtype(want.dtype).name}: it was "
+          "replaced, or restored from a checkpoint into a target, in another "
+          "dtype. Restore into jax.eval_shape of TrainState.create(...).")
+
+
 class StepInfo(NamedTuple):
   """What `TrainState.minimize` reports about the step it took."""
 
@@ -294,6 +315,7 @@ class TrainState(flax.struct.PyTreeNode):
       The new state and a `StepInfo`.
     """
     params = self.params
+    _check_param_dtypes(params, self.policy)
     _replicas.check_replicated_params(params, self.axis_name, "TrainState.minimize")
     if self.axis_name is not None:
       # Per-device gradients, so that JAX does not sum them itself in the

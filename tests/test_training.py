@@ -220,3 +220,17 @@ def test_o1_policy_autocasts_the_whole_differentiated_step():
   assert jax.tree.map(lambda g: g.dtype, grads) == {"w1": jnp.float32, "w2": jnp.float32}
   np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
   chex.assert_trees_all_close(grads, ref_grads, rtol=5e-2, atol=5e-3)
+
+
+def test_minimize_refuses_params_that_left_the_policy_param_dtype():
+  # E.g. restored from a checkpoint into a bf16 target: training on would
+  # keep bf16 master weights without a word.
+  state = jmp_lite.TrainState.create(
+      apply_fn=None, params={"w": jnp.ones((3, 2)), "b": jnp.zeros((2,))},
+      tx=optax.sgd(0.1), policy="p=f32,c=bf16,o=f32")
+  loss = lambda p: jnp.sum(p["w"].astype(jnp.float32))
+  state.minimize(loss)  # as created: fine
+  bad = state.replace(params={**state.params, "w": state.params["w"].astype(jnp.bfloat16)})
+  with pytest.raises(TypeError, match=r"TrainState.minimize: parameter \['w'\] is "
+                     r"bfloat16\[3, 2\], but the policy keeps parameters in float32"):
+    jax.jit(lambda s: s.minimize(loss))(bad)
