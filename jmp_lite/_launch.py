@@ -11,11 +11,13 @@ and ``jit`` over a global mesh runs real cross-process collectives.
 The harness owns its children: each runs in a process group of its own, and
 on a timeout, a failure of any process, or an exception in the caller, every
 group is killed, so a hung collective cannot outlive the test that started it
-(process groups: POSIX only). Re-exported by `jmp_lite.testing`.
+(process groups: POSIX only). ``echo=`` shows one process's output live, for
+a long run started from a script. Re-exported by `jmp_lite.testing`.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import os
@@ -182,8 +184,33 @@ class _Attempt:
   killed: list[int]  # still running when the harness stopped waiting
 
 
-def _launch_once(command, n, env, timeout, cwd, workdir, port) -> _Attempt:
+class _Echo:
+  """Copies what one process writes to its files on to ours, as it comes."""
+
+  def __init__(self, workdir: pathlib.Path, process: int):
+    self._streams = [
+        (open(workdir / f"{name}-{process}.txt", "rb"),
+         codecs.getincrementaldecoder("utf-8")(errors="replace"), name)
+        for name in ("stdout", "stderr")]
+
+  def pump(self, final: bool = False) -> None:
+    for source, decoder, name in self._streams:
+      text = decoder.decode(source.read(), final=final)
+      if text:
+        # Looked up on each call: pytest's capture and redirect_stdout swap it.
+        target = getattr(sys, name)
+        target.write(text)
+        target.flush()
+
+  def close(self) -> None:
+    self.pump(final=True)
+    for source, _, _ in self._streams:
+      source.close()
+
+
+def _launch_once(command, n, env, timeout, cwd, workdir, port, echo) -> _Attempt:
   procs, files = [], []
+  echoed = None
   timed_out = False
   failed: list[int] = []
   killed: list[int] = []
@@ -202,6 +229,8 @@ def _launch_once(command, n, env, timeout, cwd, workdir, port) -> _Attempt:
       procs.append(subprocess.Popen(
           command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=penv,
           cwd=cwd, start_new_session=True))
+      if i == echo:
+        echoed = _Echo(workdir, i)
     deadline = time.monotonic() + timeout
     first_failure = None
     while True:
@@ -217,6 +246,8 @@ def _launch_once(command, n, env, timeout, cwd, workdir, port) -> _Attempt:
       if now > deadline:
         timed_out = True
         break
+      if echoed is not None:
+        echoed.pump()
       time.sleep(_POLL_SECONDS)
   finally:
     killed += [i for i, p in enumerate(procs) if p.poll() is None]
@@ -230,6 +261,8 @@ def _launch_once(command, n, env, timeout, cwd, workdir, port) -> _Attempt:
       p.wait()
     for f in files:
       f.close()
+    if echoed is not None:
+      echoed.close()
 
   results = []
   for i, p in enumerate(procs):
@@ -293,6 +326,7 @@ def run_processes(
     env: Optional[Mapping[str, str]] = None,
     cwd: Optional[Union[str, os.PathLike]] = None,
     collectives: str = "gloo",
+    echo: Optional[int] = None,
 ) -> list[ProcessResult]:
   """Runs ``num_processes`` copies of a worker as one multi-process JAX program.
 
@@ -327,6 +361,10 @@ def run_processes(
       ``num_processes=1``): XLA's own CPU collectives, those of a plain
       single process, which sum in device order, so results may differ from
       a Gloo run in the last bits of every sum.
+    echo: the index of a process whose stdout and stderr are copied to this
+      process's ``sys.stdout`` and ``sys.stderr`` as they are written (within
+      a poll interval, 50 ms), for live progress from one process of a long
+      run; they are kept in its `ProcessResult` too. Default: none.
 
   Returns:
     One `ProcessResult` per process, in process order, all with
@@ -373,6 +411,10 @@ def run_processes(
     raise ValueError(
         f"run_processes: collectives='in_process' needs num_processes=1, got {n}: "
         "processes communicate through Gloo.")
+  if echo is not None and (isinstance(echo, bool) or not isinstance(echo, int)
+                           or not 0 <= echo < n):
+    raise ValueError(
+        f"run_processes: echo must be None or a process index in [0, {n}), got {echo!r}")
   base_env = _environment(env, devices, collectives)
   start = time.monotonic()
   with tempfile.TemporaryDirectory(prefix="jmp_lite_processes_") as tmp:
@@ -381,7 +423,8 @@ def run_processes(
       workdir.mkdir()
       remaining = timeout - (time.monotonic() - start)
       outcome = _launch_once(
-          command, n, base_env, max(remaining, 0.0), cwd, workdir, _free_port())
+          command, n, base_env, max(remaining, 0.0), cwd, workdir, _free_port(),
+          echo)
       first = outcome.results[0]
       lost_port = (collectives == "gloo" and first.returncode != 0
                    and _BIND_FAILED.search(first.stderr))

@@ -4,6 +4,8 @@ import json
 import math
 import os
 import pathlib
+import re
+import socket
 import subprocess
 import sys
 
@@ -70,7 +72,7 @@ def test_autocast_plain_jax(tmp_path):
 
 
 SCRIPTS = ["train_digits.py", "train_char_lm.py", "autocast_plain_jax.py",
-           "train_seq2seq.py"]
+           "train_seq2seq.py", "train_char_lm_multihost.py"]
 
 
 def _without_jax(tmp_path):
@@ -126,3 +128,79 @@ def test_train_seq2seq(tmp_path):
   _assert_first_run_output(stdout, summary)
   # The model is trained as written: its file knows nothing of jmp_lite.
   assert "jmp_lite" not in (ROOT / "examples" / "seq2seq_model.py").read_text()
+
+
+# A test-sized multi-host run: 12 steps of 8 sequences over 4 devices.
+MULTIHOST_FLAGS = ["--steps", "12", "--batch-size", "8", "--corpus-bytes", "200000",
+                   "--val-batches", "2", "--log-every", "3", "--timeout", "240"]
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start_multihost(out_dir, *flags):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.Popen(
+      [sys.executable, str(ROOT / "examples" / "train_char_lm_multihost.py"),
+       "--out-dir", str(out_dir), *flags, *MULTIHOST_FLAGS],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish_multihost(proc, out_dir):
+  try:
+    stdout, stderr = proc.communicate(timeout=300)
+  finally:
+    proc.kill()  # on a timeout; its workers follow (they watch their parent)
+  assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+  return json.loads((out_dir / "summary.json").read_text()), stdout
+
+
+def test_train_char_lm_multihost_two_processes_equal_one_bitwise(tmp_path):
+  # Local mode: the script starts itself as 2 processes of 2 CPU devices.
+  # The reference, started alongside (the runs take turns on the cores while
+  # the others compile): the same training as 1 process of 4 devices, in
+  # cluster mode (the flags a cluster gets) with the same Gloo collectives.
+  local = _start_multihost(tmp_path / "local", "--processes", "2",
+                           "--devices-per-process", "2")
+  one = _start_multihost(
+      tmp_path / "one", "--coordinator-address", f"127.0.0.1:{_free_port()}",
+      "--num-processes", "1", "--process-id", "0", "--devices-per-process", "4")
+  try:
+    summary, out = _finish_multihost(local, tmp_path / "local")
+    reference, one_out = _finish_multihost(one, tmp_path / "one")
+  finally:
+    one.kill()
+
+  # One progress stream, process 0's: each logged step once, in order, and
+  # none of process 1's own output (Gloo numbers its devices' ranks 2 and 3).
+  steps = [int(m) for m in re.findall(r"^step +(\d+)  loss [\d.]+  loss scale \d+  ",
+                                      out, re.MULTILINE)]
+  assert steps == [0, 3, 6, 9, 11], out
+  assert out.count("layout: 2 processes × 2 CPU devices = 4 devices") == 1
+  assert "[Gloo] Rank 2 " not in out and "[Gloo] Rank 3 " not in out
+  assert "All 2 processes saw the same 12 losses." in out
+  assert "all results: " in out and "validation loss, bits per byte" in out
+
+  assert (summary["policy"], summary["compute_dtype"], summary["param_dtype"]) == (
+      "p=f32,c=bf16,o=f32", "bfloat16", "float32")
+  assert (summary["processes"], summary["local_devices"], summary["devices"]) == (2, 2, 4)
+  assert summary["mesh"] == {"data": 4} and summary["mesh_processes"] == [0, 1]
+  specs = summary["param_specs"]
+  assert specs["['Embed_0']['embedding']"] == "P('data', None)"  # FSDP: 256 rows / 4
+  assert specs["['Dense_0']['bias']"] == "P()"  # small: replicated
+  losses = summary["losses"]
+  assert len(losses) == 12 and all(map(math.isfinite, losses))
+  assert max(losses[-3:]) < min(losses[:3]) and summary["skipped_steps"] == 0
+  assert math.isfinite(summary["val_bits_per_byte"]) and summary["tokens_per_second"] > 0
+
+  # The oracle: the reference is bitwise the same run.
+  assert "layout: 1 process × 4 CPU devices = 4 devices (one process of a cluster" in one_out
+  assert (reference["mode"], reference["mesh"], reference["mesh_processes"]) == (
+      "cluster", {"data": 4}, [0])
+  assert reference["param_specs"] == specs
+  for key in ("losses", "loss_scales", "val_loss"):
+    assert reference[key] == summary[key], key

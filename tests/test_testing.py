@@ -7,6 +7,8 @@ with parameters in float32, bfloat16 and float16.
 """
 
 import functools
+import threading
+import time
 
 import chex
 import flax.linen as nn
@@ -295,6 +297,8 @@ def test_training_run_skips_exactly_the_poisoned_steps(param_dtype):
     (dict(collectives="mpi"), ValueError, "collectives must be one of"),
     (dict(collectives="in_process", num_processes=2), ValueError,
      "collectives='in_process' needs num_processes=1, got 2"),
+    (dict(echo=2), ValueError, r"echo must be None or a process index in \[0, 2\), got 2"),
+    (dict(echo=True), ValueError, "echo must be None or a process index"),
 ])
 def test_run_processes_rejects_bad_arguments_before_starting_anything(kwargs, error, match):
   kwargs = {"target": "mypkg.worker", **kwargs}
@@ -327,6 +331,48 @@ def test_report_result_writes_json_with_numpy_values_and_non_finite_floats(
   assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # nothing left aside
   with pytest.raises(TypeError, match="report_result: object is not JSON-serialisable"):
     jmp_lite.testing.report_result({"oops": object()})
+
+
+# Needs no JAX: the harness starts any script, and this one never joins.
+_ECHO_WORKER = """
+import os, pathlib, sys, time
+me = os.environ["JMP_LITE_PROCESS_ID"]
+print(f"out {me}: waiting", flush=True)
+print(f"err {me}: \u00e9", file=sys.stderr, flush=True)
+go = pathlib.Path(sys.argv[1])
+deadline = time.monotonic() + 60
+while not go.exists() and time.monotonic() < deadline:
+  time.sleep(0.02)
+print(f"out {me}: done", flush=True)
+"""
+
+
+def test_run_processes_echoes_one_process_live_and_keeps_its_output(tmp_path, capsys):
+  script, go = tmp_path / "worker.py", tmp_path / "go"
+  script.write_text(_ECHO_WORKER)
+  results = []
+  thread = threading.Thread(target=lambda: results.extend(jmp_lite.testing.run_processes(
+      script, num_processes=2, args=[go], echo=1, timeout=60)))
+  thread.start()
+  out, err, deadline = "", "", time.monotonic() + 30
+
+  def read():
+    nonlocal out, err
+    captured = capsys.readouterr()
+    out, err = out + captured.out, err + captured.err
+
+  # Live: process 1's first line arrives while it still waits for "go".
+  while "out 1: waiting" not in out and time.monotonic() < deadline:
+    read()
+    time.sleep(0.02)
+  assert "out 1: done" not in out
+  go.touch()
+  thread.join()
+  read()
+  assert out == "out 1: waiting\nout 1: done\n"  # process 1 only, in full
+  assert err == "err 1: \u00e9\n"
+  assert [r.stdout for r in results] == [f"out {i}: waiting\nout {i}: done\n"
+                                         for i in (0, 1)]
 
 
 def test_process_results_are_frozen_and_errors_are_runtime_errors():
