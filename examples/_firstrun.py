@@ -50,6 +50,21 @@ def policy_names(parser, value: str, known) -> list[str]:
   return names
 
 
+def add_training_arguments(parser, *, steps: int, steps_help: str, batch_size: int,
+                           batch_help: str, lr: float, seed_help: str,
+                           corpus_bytes: int, corpus_help: str) -> None:
+  """The flags every text example shares: steps, batch, learning rate, seed, corpus."""
+  parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+  parser.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
+  parser.add_argument("--lr", type=float, default=lr,
+                      help="AdamW's peak learning rate (warm-up, then cosine decay)")
+  parser.add_argument("--seed", type=int, default=0, help=seed_help)
+  parser.add_argument("--corpus-bytes", type=int, default=corpus_bytes, help=corpus_help)
+
+
+CHAR_LM_CORPUS = "bytes of standard-library source to read (90%% train, 10%% validation)"
+
+
 def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str],
              steps: int, *, what: str = "training") -> dict:
   """Prints the hardware notice and a time estimate; returns the probe's figures.

@@ -40,16 +40,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--policies", default="f32,bf16,f16",
                       help=_firstrun.THREE_POLICIES)
-  parser.add_argument("--steps", type=int, default=400, help="training steps per policy")
-  parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+  _firstrun.add_training_arguments(
+      parser, steps=400, steps_help="training steps per policy", batch_size=32,
+      batch_help="sequences per step", lr=2e-3,
+      seed_help="seed of the initialisation and the batches", corpus_bytes=4_000_000,
+      corpus_help=_firstrun.CHAR_LM_CORPUS)
   parser.add_argument("--context", type=int, default=64, help="bytes per sequence")
-  parser.add_argument("--lr", type=float, default=2e-3,
-                      help="AdamW's peak learning rate (warm-up, then cosine decay)")
-  parser.add_argument("--seed", type=int, default=0,
-                      help="seed of the initialisation and the batches")
-  parser.add_argument("--corpus-bytes", type=int, default=4_000_000,
-                      help="bytes of standard-library source to read (90%% train, "
-                           "10%% validation)")
   parser.add_argument("--val-batches", type=int, default=20,
                       help="validation batches (the same ones for every policy)")
   parser.add_argument("--out-dir", default="runs/char_lm", help="where summary.json goes")

@@ -90,18 +90,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="let jax.distributed.initialize() find the flags above "
                             "(SLURM, Open MPI, Cloud TPU)")
   train = parser.add_argument_group("training")
-  train.add_argument("--steps", type=int, default=200, help="training steps")
-  train.add_argument("--batch-size", type=int, default=32,
-                     help="sequences per step, all processes together (a multiple "
-                          "of the device count)")
+  _firstrun.add_training_arguments(
+      train, steps=200, steps_help="training steps", batch_size=32,
+      batch_help="sequences per step, all processes together (a multiple of the "
+                 "device count)", lr=2e-3,
+      seed_help="seed of the initialisation and the batches", corpus_bytes=4_000_000,
+      corpus_help=_firstrun.CHAR_LM_CORPUS)
   train.add_argument("--context", type=int, default=64, help="bytes per sequence")
-  train.add_argument("--lr", type=float, default=2e-3,
-                     help="AdamW's peak learning rate (warm-up, then cosine decay)")
-  train.add_argument("--seed", type=int, default=0,
-                     help="seed of the initialisation and the batches")
-  train.add_argument("--corpus-bytes", type=int, default=4_000_000,
-                     help="bytes of standard-library source to read (90%% train, "
-                          "10%% validation)")
   train.add_argument("--val-batches", type=int, default=20, help="validation batches")
   train.add_argument("--log-every", type=int, default=10,
                      help="steps between progress lines (0: none)")

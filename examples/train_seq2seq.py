@@ -55,14 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--policies", default="f32,bf16,f16",
                       help=_firstrun.THREE_POLICIES)
-  parser.add_argument("--steps", type=int, default=300, help="training steps per policy")
-  parser.add_argument("--batch-size", type=int, default=32, help="windows per step")
-  parser.add_argument("--lr", type=float, default=3e-3,
-                      help="AdamW's peak learning rate (warm-up, then cosine decay)")
-  parser.add_argument("--seed", type=int, default=0,
-                      help="seed of the initialisation, the batches and dropout")
-  parser.add_argument("--corpus-bytes", type=int, default=2_000_000,
-                      help="bytes of standard-library source to read")
+  _firstrun.add_training_arguments(
+      parser, steps=300, steps_help="training steps per policy", batch_size=32,
+      batch_help="windows per step", lr=3e-3,
+      seed_help="seed of the initialisation, the batches and dropout",
+      corpus_bytes=2_000_000, corpus_help="bytes of standard-library source to read")
   parser.add_argument("--out-dir", default="runs/seq2seq", help="where summary.json goes")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   args = parser.parse_args(argv)
