@@ -53,13 +53,15 @@ def uncovered(axis_name: Any) -> tuple[str, ...]:
 
 
 def check_decision(flag: jax.Array, axis_name: Any, what: str, *,
-                   untracked: bool = True) -> None:
+                   tracked: bool = True, untracked: bool = True) -> None:
   """Raises if ``flag`` (reduced over ``axis_name``) may differ between devices.
 
   Args:
     flag: the skip decision, after any reduction over ``axis_name``.
     axis_name: the axes it was reduced over (None for none).
     what: the API that takes ``axis_name``, for the message.
+    tracked: whether to refuse a flag JAX types as varying (False for a flag
+      only returned: where it is used, the type follows it).
     untracked: whether to refuse uncovered axes where JAX does not track
       variation (False for an API without ``axis_name`` of its own).
 
@@ -74,6 +76,8 @@ def check_decision(flag: jax.Array, axis_name: Any, what: str, *,
   fix = as_axes(axis_name) + left
   fix = fix[0] if len(fix) == 1 else fix
   if tracks_varying(left):
+    if not tracked:
+      return
     varying = tuple(a for a in left if a in varying_axes(flag))
     if varying:
       raise ValueError(

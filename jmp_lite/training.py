@@ -150,6 +150,9 @@ def value_and_grad(
 
   Raises:
     TypeError: (when called) if ``fun`` does not return a floating scalar.
+    ValueError: (when called) inside ``shard_map(check_vma=False)`` or
+      ``pmap``, if ``axis_name`` leaves out one of their axes: the flag could
+      differ between devices and nothing would show it.
 
   Example:
     >>> import jax.numpy as jnp
@@ -175,7 +178,10 @@ def value_and_grad(
     value, grads = scaled_vg(loss_scale, *args, **kwargs)
     grads = loss_scale.unscale(grads)
     finite = ls_lib.all_finite(grads, axis_name=axis_name)
-    _replicas.check_decision(finite, axis_name, "value_and_grad")
+    # With check_vma=True a per-device flag is typed so: adjust refuses it,
+    # and shard_map refuses it as a replicated output. Unchecked, nothing
+    # would stop it from making the replicas diverge.
+    _replicas.check_decision(finite, axis_name, "value_and_grad", tracked=False)
     return value, grads, finite
 
   return functools.wraps(fun)(wrapped)
