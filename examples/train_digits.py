@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out-dir", default="runs/digits",
                       help="where digits.png and summary.json go")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  parser.add_argument("--no-calibrate", action="store_true",
+                      help="start f16 loss scales at 2**15 instead of measuring one "
+                           "(jmp_lite.calibrate) on the first batch")
   args = parser.parse_args(argv)
   args.policies = (list(POLICIES) if args.all_policies else
                    _firstrun.policy_names(parser, args.policies, POLICIES))
@@ -135,8 +138,21 @@ def train(name, data, args):
   model = jmp_lite.flax.wrap(CNN(), policy)
   params = model.init(jax.random.key(args.seed), x_train[:1])["params"]
   # f16 has a narrow range: scale the loss, dynamically. bf16 has f32's range.
-  loss_scale = (jmp_lite.DynamicLossScale(2.0 ** 15, period=200)
-                if policy.compute_dtype == jnp.float16 else jmp_lite.NoOpLossScale())
+  # The start is measured on the first batch (one float32 pass of the
+  # unwrapped model) rather than found by skipping steps from 2**15.
+  calibrated = None
+  if policy.compute_dtype != jnp.float16:
+    loss_scale = jmp_lite.NoOpLossScale()
+  elif args.no_calibrate:
+    loss_scale = jmp_lite.DynamicLossScale(2.0 ** 15, period=200)
+  else:
+    first = np.random.default_rng(args.seed).integers(0, len(y_train), args.batch_size)
+    f32_loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
+        CNN().apply({"params": p}, x), y).mean()
+    params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+    calibrated = jmp_lite.calibrate(f32_loss, params32, x_train[first], y_train[first],
+                                    policy=policy)
+    loss_scale = calibrated.dynamic_loss_scale(period=200)
   state = jmp_lite.TrainState.create(
       apply_fn=model.apply, params=params, loss_scale=loss_scale,
       tx=make_optimizer(name, args.lr, args.steps, args.seed))
@@ -170,6 +186,7 @@ def train(name, data, args):
   leaves = jax.tree.leaves(state.params)
   return {
       "policy": str(policy),
+      "calibrated_loss_scale": None if calibrated is None else calibrated.loss_scale,
       "test_accuracy": float(accuracy(state.params, x_test, y_test)),
       "final_train_loss": float(np.mean(losses[-20:])),
       "skipped_steps": int(ls_state.skipped_steps),

@@ -142,6 +142,7 @@ def test_lazy_names_are_listed_by_dir():
 PUBLIC_MODULES = {
     "auditing": {"audit", "AuditReport", "AuditRow", "FLAGS", "HALF_MATMUL"},
     "autocasting": {"autocast", "primitive_name"},
+    "calibration": {"calibrate", "Calibration", "ScopeStats"},
     "distributed": {"collectives", "Collective", "mark_varying", "reduce_gradients",
                     "is_replicated_everywhere", "AxisName"},
     "flax": {"wrap", "policy_map", "default_rules"},

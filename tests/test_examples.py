@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,6 +35,13 @@ def test_train_digits(tmp_path):
   # so nothing is NaN and steps are not all skipped.
   assert results["pure_f16"]["policy"] == "p=f16,c=f16,o=f32"
   assert results["pure_f16"]["skipped_steps"] < 10
+  # The f16 loss scales start where jmp_lite.calibrate measured on the first
+  # batch, not at 2**15: no start-up skips (from 2**15: 2 of the first 3).
+  for name in ("f16", "pure_f16"):
+    start = results[name]["calibrated_loss_scale"]
+    assert start == 2.0 ** round(np.log2(start)) and 1 <= start < 2 ** 15
+    assert results[name]["skipped_steps"] == 0
+  assert results["f32"]["calibrated_loss_scale"] is None
   for r in results.values():
     assert 0.5 < r["test_accuracy"] <= 1.0  # 40 steps already learn something
   # Pure bf16 stores params in half the bytes (LayerNorm's stay in f32).

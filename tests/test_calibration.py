@@ -1,0 +1,133 @@
+"""`jmp_lite.calibrate`: a loss scale measured from one float32 pass.
+
+Oracles: the float16 backward pass itself (at the calibrated scale the
+gradients are finite; at a few doublings more they overflow), float32 model
+code written here (activations and cotangents whose sizes are set by
+construction), and `jmp_lite.flax.wrap` taking the suggested rules.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_lite
+import jmp_lite.flax
+
+F16 = "p=f32,c=f16,o=f32"
+
+
+class Scaled(nn.Module):
+  """A dense layer whose output is multiplied by ``factor``."""
+  features: int
+  factor: float = 1.0
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(self.features)(x) * self.factor
+
+
+class Mlp(nn.Module):
+  """Four blocks; ``big`` and ``tiny`` scale two outputs by construction."""
+  big: float = 1.0
+  tiny: float = 1.0
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(nn.Dense(32, name="embed")(x))
+    x = Scaled(32, self.big, name="blow_up")(x)
+    x = Scaled(32, self.tiny, name="fade")(nn.tanh(x))
+    return nn.Dense(4, name="head")(x)
+
+
+def _setup(**kwargs):
+  model = Mlp(**kwargs)
+  x = jax.random.normal(jax.random.key(1), (64, 16))
+  y = jax.random.normal(jax.random.key(2), (64, 4))
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p, x, y: jnp.mean(
+      (model.apply({"params": p}, x).astype(jnp.float32) - y) ** 2) * 1e3
+  return model, params, loss, x, y
+
+
+def _f16_grads_finite(loss, params, x, y, scale):
+  # The plain float16 step: parameters cast to f16, gradients computed in
+  # f16 and cast back (the engine would accumulate in f32 and hide overflow
+  # of the weight gradients, which are the largest cotangents here).
+  policy = jmp_lite.get_policy(F16)
+  scaled = lambda p: loss(policy.cast_to_compute(p), x.astype(jnp.float16), y) * scale
+  grads = jax.jit(jax.grad(scaled))(params)
+  return bool(jmp_lite.all_finite(grads))
+
+
+def test_the_calibrated_scale_is_safe_in_float16_and_a_few_doublings_more_are_not():
+  _, params, loss, x, y = _setup()
+  cal = jmp_lite.calibrate(loss, params, x, y, policy=F16)
+  assert cal.loss_scale == 2.0 ** np.floor(np.log2(65504 / (8 * cal.max_cotangent)))
+  assert 1.0 <= cal.loss_scale < 2.0 ** 15  # below the usual start: it would skip
+  assert _f16_grads_finite(loss, params, x, y, cal.loss_scale)
+  # margin 8 = three doublings of headroom; four doublings overflow float16.
+  assert not _f16_grads_finite(loss, params, x, y, cal.loss_scale * 16)
+
+
+def test_max_cotangent_is_the_model_and_gradients_not_the_loss_around_it():
+  _, params, loss, x, y = _setup()
+  cal = jmp_lite.calibrate(loss, params, x, y, policy=F16)
+  grads = jax.grad(loss)(params, x, y)
+  largest_grad = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads))
+  # The cotangent of the model's output, d(1e3 * mean((o - y)^2))/do.
+  out = Mlp().apply({"params": params}, x)
+  largest_out_ct = float(jnp.max(jnp.abs(2e3 * (out - y) / out.size)))
+  # head's largest: its output's, or its bias broadcast's (the bias gradient).
+  head_bias = float(jnp.max(jnp.abs(grads["head"]["bias"])))
+  assert cal.scopes["Mlp/head"].max_cotangent == pytest.approx(
+      max(largest_out_ct, head_bias), rel=1e-5)
+  assert cal.max_cotangent == pytest.approx(max(
+      largest_grad, *(s.max_cotangent for k, s in cal.scopes.items() if k)), rel=1e-6)
+  # The loss's own cotangents (1e3 for the mean, in float32 around the
+  # model) are outside every scope, and do not set the scale.
+  assert cal.scopes[""].max_cotangent == pytest.approx(1e3)
+  assert cal.max_cotangent < 1e3
+
+
+def test_scopes_that_overflow_or_underflow_are_suggested_for_float32():
+  # fade scales by 1e-9 on the way back too: every cotangent before it is
+  # below float16's smallest normal even at the calibrated scale.
+  _, params, loss, x, y = _setup(tiny=1e-9)
+  cal = jmp_lite.calibrate(loss, params, x, y, policy=F16)
+  for scope in ("Mlp/embed", "Mlp/blow_up/Dense_0", "Mlp/fade/Dense_0"):
+    assert cal.scopes[scope].underflow > 0.5 and scope in cal.keep_float32, scope
+  assert cal.scopes["Mlp/head"].underflow < 0.5 and "Mlp/head" not in cal.keep_float32
+  # blow_up's outputs exceed 65504 / margin.
+  model, params, loss, x, y = _setup(big=1e5)
+  cal = jmp_lite.calibrate(loss, params, x, y, policy=F16)
+  assert cal.scopes["Mlp/blow_up"].overflow
+  assert cal.scopes["Mlp/blow_up"].max_activation > 65504 / 8
+  assert "Mlp/blow_up" in cal.keep_float32 and not cal.scopes["Mlp/head"].overflow
+  rules = cal.flax_rules()
+  assert set(rules.values()) == {"p=f32,c=f32,o=f32"}
+  # wrap takes them: the kept module and its submodules compute in float32,
+  # the rest in float16.
+  computes = {path: p.compute_dtype for path, p in jmp_lite.flax.policy_map(
+      jmp_lite.flax.wrap(model, F16, rules=rules), x).items()}
+  assert computes["blow_up"] == computes["blow_up/Dense_0"] == jnp.float32
+  assert computes["head"] == computes["embed"] == jnp.float16
+
+
+def test_bfloat16_needs_no_scale_and_an_unscoped_function_works():
+  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+  cal = jmp_lite.calibrate(loss, jnp.ones((4, 3)), jnp.ones((2, 4)), policy="p=f32,c=bf16")
+  assert cal.loss_scale == 1.0 and cal.compute_dtype == jnp.bfloat16
+  assert set(cal.scopes) == {""} and cal.keep_float32 == ()
+  scale = cal.dynamic_loss_scale(period=10)
+  assert float(scale.loss_scale) == 1.0 and int(scale.period) == 10
+
+
+def test_bad_input_is_named():
+  loss = lambda w, x: jnp.sum(x @ w)
+  with pytest.raises(ValueError, match=r"calibrate: margin must be a finite number >= 1, "
+                     r"got 0.5"):
+    jmp_lite.calibrate(loss, jnp.ones((4, 3)), jnp.ones((2, 4)), policy=F16, margin=0.5)
+  with pytest.raises(ValueError, match=r"calibrate: the float32 pass is not finite"):
+    jmp_lite.calibrate(loss, jnp.ones((4, 3)), jnp.full((2, 4), jnp.nan), policy=F16)
