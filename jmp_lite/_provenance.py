@@ -34,13 +34,7 @@ import jax
 from jax import extend as jex
 
 from jmp_lite import _internals
-
-
-def _varying(aval) -> frozenset:
-  mat = getattr(aval, "mat", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
+from jmp_lite import _replicas
 
 
 def _aval(node) -> Any:
@@ -126,7 +120,8 @@ def _outer_sources(node) -> list[Any]:
 
 def summed_by_autodiff(x, axis: str) -> Optional[jax.typing.DTypeLike]:
   """The dtype of the autodiff ``psum`` over ``axis`` behind ``x``, or None."""
-  stack = [((None, x), "varying" if axis in _varying(jax.typeof(x)) else "invariant", False)]
+  start = "varying" if axis in _replicas.varying_axes(x) else "invariant"
+  stack = [((None, x), start, False)]
   seen = set()
   while stack:
     node, phase, in_transposed = stack.pop()
@@ -157,7 +152,7 @@ def summed_by_autodiff(x, axis: str) -> Optional[jax.typing.DTypeLike]:
       if isinstance(operand, jex.core.Literal):
         continue
       child = (graph, operand)
-      varying = axis in _varying(_aval(child))
+      varying = axis in _replicas.aval_varying_axes(_aval(child))
       if (phase == "varying") == varying:
         stack.append((child, phase, transposed))
   return None

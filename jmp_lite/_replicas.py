@@ -17,13 +17,17 @@ from typing import Any
 import jax
 
 
-def varying_axes(x: Any) -> frozenset:
-  """The manual mesh axes ``x`` varies over (empty where JAX does not track them)."""
-  aval = jax.typeof(x)
+def aval_varying_axes(aval: Any) -> frozenset:
+  """The manual mesh axes a value of type ``aval`` varies over."""
   mat = getattr(aval, "mat", None)  # jax >= 0.9
   if mat is not None:
     return frozenset(mat.varying)
   return frozenset(getattr(aval, "vma", ()))  # jax 0.6 to 0.8
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` varies over (empty where JAX does not track them)."""
+  return aval_varying_axes(jax.typeof(x))
 
 
 def tracks_varying(axes: tuple[str, ...]) -> bool:
@@ -52,6 +56,12 @@ def uncovered(axis_name: Any) -> tuple[str, ...]:
   return tuple(a for a in manual_axes() if a not in covered)
 
 
+def _fix(axis_name: Any, left: tuple[str, ...]) -> Any:
+  """The ``axis_name`` that covers ``left`` too, as a user would write it."""
+  fix = as_axes(axis_name) + left
+  return fix[0] if len(fix) == 1 else fix
+
+
 def check_decision(flag: jax.Array, axis_name: Any, what: str, *,
                    tracked: bool = True, untracked: bool = True) -> None:
   """Raises if ``flag`` (reduced over ``axis_name``) may differ between devices.
@@ -73,8 +83,7 @@ def check_decision(flag: jax.Array, axis_name: Any, what: str, *,
   left = uncovered(axis_name)
   if not left:
     return
-  fix = as_axes(axis_name) + left
-  fix = fix[0] if len(fix) == 1 else fix
+  fix = _fix(axis_name, left)
   if tracks_varying(left):
     if not tracked:
       return
@@ -118,8 +127,7 @@ def check_replicated_params(params: Any, axis_name: Any, what: str) -> None:
   left = uncovered(axis_name)
   if not left:
     return
-  fix = as_axes(axis_name) + left
-  fix = fix[0] if len(fix) == 1 else fix
+  fix = _fix(axis_name, left)
   if not tracks_varying(left):
     raise ValueError(
         f"{what}: runs inside shard_map with check_vma=False (or pmap) over the "

@@ -213,7 +213,8 @@ def calibrate(
   # What a half-precision pass holds: a Flax model's (or named scope's)
   # values and the parameter gradients. Outside every scope (the loss around
   # a model, in the output dtype) only when nothing is scoped.
-  scoped = [k for k, (i, _, _) in enumerate(points) if _scope(jaxpr.eqns[i])]
+  scope_of = [_scope(jaxpr.eqns[i]) for i, _, _ in points]
+  scoped = [k for k, scope in enumerate(scope_of) if scope]
   half = [cts[k] for k in (scoped or range(len(points)))] + grads
   max_ct = max((float(np.max(np.abs(c))) for c in half if c.size), default=0.0)
 
@@ -225,10 +226,10 @@ def calibrate(
 
   tiny = float(info.smallest_normal)
   per_scope: dict[str, list] = {}
-  for k, (i, _, _) in enumerate(points):
+  for k, scope in enumerate(scope_of):
     c = np.abs(cts[k])
     nonzero = c[c != 0]
-    entry = per_scope.setdefault(_scope(jaxpr.eqns[i]), [0.0, 0.0, 0, 0])
+    entry = per_scope.setdefault(scope, [0.0, 0.0, 0, 0])
     entry[0] = max(entry[0], act_max[k])
     entry[1] = max(entry[1], float(c.max()) if c.size else 0.0)
     entry[2] += int(np.count_nonzero(nonzero * scale < tiny))

@@ -12,7 +12,9 @@ Importing this module (pytest's doctest collection does) touches no device.
 """
 
 import functools
+import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,9 @@ from jmp_lite import _provenance
 from jmp_lite import distributed
 from jmp_lite import optax as jo
 from jmp_lite.testing import inject_nonfinite
+
+sys.path.insert(0, str(pathlib.Path(__file__).with_name("multihost_workers")))
+import _data  # noqa: E402  (the workers' MLP, trained here on one process)
 
 N_DEVICES = 8
 BATCH, D_IN, D_HIDDEN, D_OUT = 64, 16, 32, 4
@@ -65,12 +70,7 @@ def _batches():
   return xs, ys
 
 
-def _loss(params, x, y):
-  """Mean squared error, computed in whatever dtype ``params`` arrive in."""
-  dtype = params["w1"].dtype
-  h = jnp.tanh(x.astype(dtype) @ params["w1"] + params["b1"])
-  out = (h @ params["w2"]).astype(jnp.float32)
-  return jnp.mean((out - y) ** 2)
+_loss = _data.mlp_loss  # computed in whatever dtype the params arrive in
 
 
 def _loss_scale():

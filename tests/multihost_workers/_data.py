@@ -1,5 +1,10 @@
-"""Data shared by the multi-process workers: poisoned batches and MLP weights."""
+"""Data shared by the multi-process workers: poisoned batches, an MLP and its loss.
 
+Also imported by tests/_multidevice_checks.py, whose single-process runs
+train the same MLP.
+"""
+
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -11,6 +16,13 @@ def batches(n_steps, batch, d_in, d_out, poisoned):
   for step, (row, col) in poisoned.items():
     xs[step, row, col] = np.inf
   return xs, ys
+
+
+def mlp_loss(params, x, y):
+  """Mean squared error of `mlp_params`' MLP, computed in the params' dtype."""
+  h = jnp.tanh(x.astype(params["w1"].dtype) @ params["w1"] + params["b1"])
+  out = (h @ params["w2"]).astype(jnp.float32)
+  return jnp.mean((out - y) ** 2)
 
 
 def mlp_params(d_in, d_hidden, d_out, w2_scale=4):
