@@ -26,14 +26,16 @@ from jmp_lite.policy import preferred_half_dtype
 # Imported on first use, so that `import jmp_lite` costs a plain-JAX user
 # little more than `import jax`: the integrations pull in Flax (Linen and NNX)
 # and optax. Submodules, and names that live in them.
-_LAZY_MODULES = ("distributed", "flax", "hardware", "optax", "testing")
+_LAZY_MODULES = ("distributed", "flax", "hardware", "optax", "telemetry", "testing")
 _LAZY_NAMES = {
     "audit": "auditing",
     "AuditReport": "auditing",
     "autocast": "autocasting",
     "calibrate": "calibration",
     "Calibration": "calibration",
+    "PrecisionStats": "telemetry",
     "StepInfo": "training",
+    "Telemetry": "telemetry",
     "TrainState": "training",
     "UncoveredMatmulError": "_engine",
     "UncoveredMatmulWarning": "_engine",
@@ -79,7 +81,9 @@ __all__ = (
     "parse_dtype",
     "Policy",
     "preferred_half_dtype",
+    "PrecisionStats",
     "StepInfo",
+    "Telemetry",
     "TrainState",
     "value_and_grad",
 )

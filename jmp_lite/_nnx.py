@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_lite import _engine
+from jmp_lite import _probes
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import dtype_overrides
 from jmp_lite._flax_rules import keep_carry
@@ -42,6 +43,7 @@ def _casting_class(cls: type) -> type:
       out = cls.__call__(self, *args, **kwargs)
     finally:
       stack.pop()
+    out = _probes.tap(out, self._jmp_lite_path)  # in a telemetry trace only
     out = caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
     return keep_carry(given, out)
 
@@ -119,6 +121,7 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
           object.__setattr__(node, field, dtype)
       object.__setattr__(node, "_jmp_lite_policy", policy)
       object.__setattr__(node, "_jmp_lite_stack", stack)
+      object.__setattr__(node, "_jmp_lite_path", path_str(path))
       if type(node).__call__ is not nnx.Module.__call__:
         object.__setattr__(node, "__class__", _casting_class(type(node)))
   out = copy(*args, **kwargs)

@@ -85,6 +85,7 @@ from flax import nnx
 from flax.core.scope import Scope
 
 from jmp_lite import _engine
+from jmp_lite import _probes
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import default_rules
 from jmp_lite._flax_rules import dtype_overrides
@@ -170,6 +171,8 @@ class _LinenInterceptor:
         out = getattr(clone, context.method_name)(*args, **kwargs)
     finally:
       self.stack.pop()
+    # In a telemetry trace: the module's output as it computed it.
+    out = _probes.tap(out, path)
     out = caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
     return keep_carry(given, out)
 

@@ -22,11 +22,13 @@ import optax
 
 from jmp_lite import _dtypes
 from jmp_lite import _engine
+from jmp_lite import _instrument
 from jmp_lite import _replicas
 from jmp_lite import autocasting
 from jmp_lite import distributed
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
+from jmp_lite import telemetry as telemetry_lib
 from jmp_lite.policy import Policy, get_policy
 
 __all__ = (
@@ -48,8 +50,14 @@ def _check_loss(loss: Any) -> None:
         f"dtype={dtype}. Reduce it with jnp.mean or jnp.sum.")
 
 
-def _scaled_value_and_grad(fun, argnums, has_aux, policy):
+def _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
+                           axis_name=None):
   """``f(loss_scale, *args)`` returning ``(value, grads of loss_scale.scale(loss))``.
+
+  With ``telemetry``, ``f(step, loss_scale, *args)`` returning ``(value,
+  grads, stats)``: a `jmp_lite.telemetry.PrecisionStats` of the same pass on
+  the steps ``telemetry`` samples (reduced over ``axis_name`` under
+  ``shard_map``), zeros on the others.
 
   With a policy, the differentiated arguments are cast to its compute dtype,
   and the differentiated step runs under the precision engine (or autocast,
@@ -87,16 +95,39 @@ def _scaled_value_and_grad(fun, argnums, has_aux, policy):
   vg = jax.value_and_grad(
       scaled, argnums=shifted[0] if isinstance(argnums, int) else shifted,
       has_aux=True)
+  if telemetry is not None:
+    probed = _instrument.value_and_grad(scaled, shifted, mode=telemetry.mode,
+                                        what_if=telemetry.what_if)
+
+    def measured_vg(*args, **kwargs):
+      (value, grads), rows = probed(*args, **kwargs)
+      stats = _instrument.build(rows, telemetry, axis_name)
+      return value, grads[0] if isinstance(argnums, int) else grads, stats
+
+  else:
+    measured_vg = None
   if policy is not None and policy.autocast_dtype is not None:
     # O1: op lists over the whole differentiated step, so that the backward
     # matmuls run in the autocast dtype too.
     vg = autocasting.autocast(vg, policy)
+    if measured_vg is not None:
+      measured_vg = autocasting.autocast(measured_vg, policy)
 
   def run(loss_scale, *args, **kwargs):
     (_, (loss, aux)), grads = vg(loss_scale, *args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 
-  return run
+  if telemetry is None:
+    return run
+
+  def run_measured(step, loss_scale, *args, **kwargs):
+    def measured():
+      (_, (loss, aux)), grads, stats = measured_vg(loss_scale, *args, **kwargs)
+      return ((loss, aux) if has_aux else loss), grads, stats
+    return _instrument.sampled(telemetry, step, measured,
+                                 lambda: run(loss_scale, *args, **kwargs))
+
+  return run_measured
 
 
 def value_and_grad(
@@ -106,7 +137,8 @@ def value_and_grad(
     has_aux: bool = False,
     policy: Optional[Union[Policy, str]] = None,
     axis_name: ls_lib.AxisName = None,
-) -> Callable[..., tuple[Any, Any, jax.Array]]:
+    telemetry: Optional[telemetry_lib.Telemetry] = None,
+) -> Callable[..., tuple[Any, ...]]:
   """Like `jax.value_and_grad`, with loss scaling and a finiteness flag.
 
   Returns a function with ``fun``'s arguments plus a keyword-only
@@ -147,6 +179,10 @@ def value_and_grad(
     policy: a `jmp_lite.Policy` or policy string.
     axis_name: under ``shard_map``/``pmap``, the mesh axis (or axes) over which
       the finiteness flag is reduced, so that every replica agrees.
+    telemetry: a `jmp_lite.Telemetry`: the function then also returns a
+      `jmp_lite.PrecisionStats` of the same pass, ``(value, grads,
+      grads_finite, stats)``, and takes a keyword-only ``telemetry_step``
+      (the step number, for ``Telemetry.every``; default: measure).
 
   Raises:
     TypeError: (when called) if ``fun`` does not return a floating scalar.
@@ -167,7 +203,9 @@ def value_and_grad(
     policy = get_policy(policy)
   axis_name = ls_lib._check_axis_name(axis_name, "value_and_grad")
 
-  scaled_vg = _scaled_value_and_grad(fun, argnums, has_aux, policy)
+  telemetry = _check_telemetry(telemetry, "value_and_grad")
+  scaled_vg = _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry,
+                                     axis_name)
 
   def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(), **kwargs):
     if not isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
@@ -175,16 +213,30 @@ def value_and_grad(
       raise TypeError(
           "value_and_grad: loss_scale must be a jmp_lite loss scale, e.g. "
           f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
-    value, grads = scaled_vg(loss_scale, *args, **kwargs)
+    if telemetry is not None:
+      step = kwargs.pop("telemetry_step", None)
+      value, grads, stats = scaled_vg(step, loss_scale, *args, **kwargs)
+    else:
+      value, grads = scaled_vg(loss_scale, *args, **kwargs)
     grads = loss_scale.unscale(grads)
     finite = ls_lib.all_finite(grads, axis_name=axis_name)
     # With check_vma=True a per-device flag is typed so: adjust refuses it,
     # and shard_map refuses it as a replicated output. Unchecked, nothing
     # would stop it from making the replicas diverge.
     _replicas.check_decision(finite, axis_name, "value_and_grad", tracked=False)
+    if telemetry is not None:
+      return value, grads, finite, stats
     return value, grads, finite
 
   return functools.wraps(fun)(wrapped)
+
+
+def _check_telemetry(telemetry, where: str):
+  if telemetry is not None and not isinstance(telemetry, telemetry_lib.Telemetry):
+    raise TypeError(
+        f"{where}: telemetry must be a jmp_lite.Telemetry (or None), got "
+        f"{telemetry!r}.")
+  return telemetry
 
 
 def _check_param_dtypes(params: Any, policy: Optional[Policy]) -> None:
@@ -217,6 +269,8 @@ class StepInfo(NamedTuple):
   loss_scale: jax.Array  # the scale this step's loss was scaled with
   grad_norm: jax.Array  # global norm of the unscaled gradients
   nonfinite: jo.NonFinite  # why the step was skipped, if it was
+  # per-module precision statistics (`TrainState.minimize(telemetry=...)`)
+  precision: Optional[telemetry_lib.PrecisionStats] = None
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -307,6 +361,7 @@ class TrainState(flax.struct.PyTreeNode):
                         opt_state=opt_state, **kwargs)
 
   def minimize(self, loss_fn: Callable[..., Any], *args, has_aux: bool = False,
+               telemetry: Optional[telemetry_lib.Telemetry] = None,
                **kwargs) -> tuple["TrainState", StepInfo]:
     """One whole step: scaled loss, gradients, skip-or-update, scale adjust.
 
@@ -315,11 +370,15 @@ class TrainState(flax.struct.PyTreeNode):
         scalar loss, or ``(loss, aux)`` with ``has_aux=True``.
       *args: further arguments of ``loss_fn`` (not differentiated).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      telemetry: a `jmp_lite.Telemetry`: ``info.precision`` is then this
+        step's `jmp_lite.PrecisionStats` (zeros on steps ``telemetry.every``
+        skips, counted by ``self.step``), reduced over ``axis_name``.
       **kwargs: keyword arguments of ``loss_fn``.
 
     Returns:
       The new state and a `StepInfo`.
     """
+    telemetry = _check_telemetry(telemetry, "TrainState.minimize")
     params = self.params
     _check_param_dtypes(params, self.policy)
     _replicas.check_replicated_params(params, self.axis_name, "TrainState.minimize")
@@ -327,8 +386,13 @@ class TrainState(flax.struct.PyTreeNode):
       # Per-device gradients, so that JAX does not sum them itself in the
       # compute dtype; reduce_gradients averages them in reduce_dtype.
       params = distributed.mark_varying(params, self.axis_name)
-    value, grads = _scaled_value_and_grad(
-        loss_fn, 0, has_aux, self.policy)(self.loss_scale, params, *args, **kwargs)
+    vg = _scaled_value_and_grad(loss_fn, 0, has_aux, self.policy, telemetry,
+                                self.axis_name)
+    if telemetry is None:
+      value, grads = vg(self.loss_scale, params, *args, **kwargs)
+      stats = None
+    else:
+      value, grads, stats = vg(self.step, self.loss_scale, params, *args, **kwargs)
     if self.axis_name is not None:
       grads = distributed.reduce_gradients(grads, self.axis_name, policy=self.policy)
     loss, aux = value if has_aux else (value, None)
@@ -337,4 +401,4 @@ class TrainState(flax.struct.PyTreeNode):
     info = new.loss_scale_state
     return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,
                          loss_scale=used_scale, grad_norm=info.grad_norm,
-                         nonfinite=info.nonfinite)
+                         nonfinite=info.nonfinite, precision=stats)

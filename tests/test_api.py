@@ -163,6 +163,7 @@ PUBLIC_MODULES = {
                 "assert_single_compile", "assert_trees_bitwise_equal",
                 "run_processes", "ProcessResult", "MultiProcessError",
                 "initialize_worker", "report_result"},
+    "telemetry": {"Telemetry", "PrecisionStats", "ModuleStats", "tap"},
     "training": {"value_and_grad", "StepInfo", "TrainState"},
 }
 

@@ -1,0 +1,142 @@
+"""Probes: forward and backward statistics of chosen values, read out through a gradient.
+
+A probe is an identity with a custom VJP, ``probe(x, c) = x``, where ``c`` is
+a small float32 vector (the *carrier*). Its forward pass keeps statistics of
+``x`` as residuals; its backward pass returns the cotangent of ``x``
+unchanged and, as the cotangent of ``c``, those forward statistics followed by
+the same statistics of ``x``'s cotangent. Differentiating a function with
+respect to its carriers therefore returns, in the same backward pass and with
+no host callback, what every probed value and its cotangent looked like:
+inside ``jit``, ``scan`` (one carrier row per iteration), ``checkpoint`` and
+``cond``, where side outputs cannot escape.
+
+Which values are probed: module outputs marked by `tap` (what
+`jmp_lite.flax.wrap` does while a probe trace is active), or, in ``"ops"``
+mode, every floating output of every equation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TAP_PREFIX = "jmp_lite_tap_"
+# Per measured value: largest finite |x|, non-finite count, non-zero finite
+# count, then per dtype the count of non-zero values below its smallest
+# normal (subnormal there, or flushed to zero).
+BASE_STATS = 3
+
+
+def width(n_dtypes: int) -> int:
+  """Carrier entries per probed value: forward then backward statistics."""
+  return 2 * (BASE_STATS + n_dtypes)
+
+
+class _Taps(threading.local):
+  def __init__(self):
+    self.paths: Optional[list[str]] = None
+
+
+_taps = _Taps()
+
+
+@contextlib.contextmanager
+def tapping():
+  """Within it, `tap` marks values (a probe trace); outside, `tap` is a no-op.
+
+  Yields the list of tapped paths, indexed by the number in each tap's name.
+  """
+  saved = _taps.paths
+  _taps.paths = []
+  try:
+    yield _taps.paths
+  finally:
+    _taps.paths = saved
+
+
+def tap(tree: Any, path: str) -> Any:
+  """Marks ``tree``'s floating leaves as the value of ``path`` in a probe trace.
+
+  The mark is a ``jit`` of the identity whose name indexes ``path``: every
+  rewrite of jmp_lite (the precision engine, autocast) and of JAX keeps it
+  as it is, and the probe pass finds it. Outside a probe trace, and for
+  non-floating leaves, nothing happens.
+  """
+  paths = _taps.paths
+  if paths is None:
+    return tree
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  where = [i for i, x in enumerate(leaves) if _is_floating(x)]
+  if not where:
+    return tree
+  paths.append(path)
+
+  def identity(*xs):
+    return xs
+
+  identity.__name__ = f"{TAP_PREFIX}{len(paths) - 1}"
+  marked = jax.jit(identity)(*(leaves[i] for i in where))
+  for i, x in zip(where, marked):
+    leaves[i] = x
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def tap_index(eqn) -> Optional[int]:
+  """The tap number of a ``jit`` equation `tap` made, else None."""
+  if eqn.primitive.name not in ("jit", "pjit"):
+    return None
+  name = str(eqn.params.get("name", ""))
+  if not name.startswith(TAP_PREFIX):
+    return None
+  return int(name[len(TAP_PREFIX):])
+
+
+def _is_floating(x) -> bool:
+  return hasattr(x, "dtype") and bool(jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def thresholds(dtype, what_if: Sequence[Any]) -> tuple[float, ...]:
+  """Smallest normals of ``dtype`` itself and of each ``what_if`` dtype."""
+  return tuple(float(jnp.finfo(d).smallest_normal)
+               for d in (dtype, *what_if))
+
+
+def statistics(x: jax.Array, tinies: tuple[float, ...]) -> jax.Array:
+  """``[max finite |x|, #non-finite, #non-zero finite, #below each tiny]``."""
+  a = jnp.abs(x).astype(jnp.float32)
+  finite = jnp.isfinite(a)
+  a = jnp.where(finite, a, 0.0)
+  nonzero = a > 0
+  count = lambda m: jnp.sum(m, dtype=jnp.int32).astype(jnp.float32)
+  out = [jnp.max(a, initial=0.0), count(~finite), count(nonzero)]
+  out += [count(nonzero & (a < t)) for t in tinies]
+  return jnp.stack(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def probe(x: jax.Array, carrier: jax.Array, tinies: tuple[float, ...]) -> jax.Array:
+  """``x``, with its statistics and its cotangent's in ``carrier``'s cotangent."""
+  del carrier, tinies
+  return x
+
+
+def _probe_fwd(x, carrier, tinies):
+  del carrier
+  return x, statistics(x, tinies)
+
+
+def _probe_bwd(tinies, forward, g):
+  return g, jnp.concatenate([forward, statistics(g, tinies)])
+
+
+probe.defvjp(_probe_fwd, _probe_bwd)
+
+
+def dtype_name(dtype) -> str:
+  return np.dtype(dtype).name
