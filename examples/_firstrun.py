@@ -62,6 +62,50 @@ def add_training_arguments(parser, *, steps: int, steps_help: str, batch_size: i
   parser.add_argument("--corpus-bytes", type=int, default=corpus_bytes, help=corpus_help)
 
 
+def add_precision_arguments(parser, *, telemetry_every: int) -> None:
+  """The f16 flags the examples share: calibration and precision telemetry."""
+  parser.add_argument("--no-calibrate", action="store_true",
+                      help="start f16 runs' loss scale at 2**15 instead of measuring "
+                           "it (jmp_lite.calibrate) on the first batch")
+  parser.add_argument("--telemetry-every", type=int, default=telemetry_every,
+                      help="measure every module's values and cotangents in f16 runs "
+                           "every N steps (jmp_lite.Telemetry) and print the last "
+                           "table; 0: off")
+
+
+def f16_start(policy, args, f32_loss, params, *batch):
+  """An f16 run's loss scale (calibrated unless --no-calibrate) and telemetry.
+
+  Returns ``(loss_scale, calibration or None, telemetry or None)``; for
+  other compute dtypes no scaling and no telemetry.
+  """
+  import jax  # after argument parsing
+  import jax.numpy as jnp
+  import jmp_lite
+
+  if policy.compute_dtype != jnp.float16:
+    return jmp_lite.NoOpLossScale(), None, None
+  telemetry = (jmp_lite.Telemetry(every=args.telemetry_every)
+               if args.telemetry_every > 0 else None)
+  if args.no_calibrate:
+    return jmp_lite.DynamicLossScale(2.0 ** 15, period=200), None, telemetry
+  # The start is measured on the first batch (one float32 pass of the
+  # unwrapped model) rather than found by skipping steps from 2**15.
+  params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  calibrated = jmp_lite.calibrate(f32_loss, params32, *batch, policy=policy)
+  return calibrated.dynamic_loss_scale(period=200), calibrated, telemetry
+
+
+def print_telemetry(name: str, step: int, stats) -> None:
+  """The last sampled telemetry table of a run."""
+  if stats is None:
+    return
+  print(f"\n{name}: precision telemetry at step {step} (jmp_lite.Telemetry; "
+        "max |x|, non-finite count, share of non-zero values below the dtype's "
+        "smallest normal; backward = scaled cotangents)")
+  print(stats.table())
+
+
 CHAR_LM_CORPUS = "bytes of standard-library source to read (90%% train, 10%% validation)"
 
 

@@ -70,9 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out-dir", default="runs/digits",
                       help="where digits.png and summary.json go")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-  parser.add_argument("--no-calibrate", action="store_true",
-                      help="start f16 loss scales at 2**15 instead of measuring one "
-                           "(jmp_lite.calibrate) on the first batch")
+  _firstrun.add_precision_arguments(parser, telemetry_every=100)
   args = parser.parse_args(argv)
   args.policies = (list(POLICIES) if args.all_policies else
                    _firstrun.policy_names(parser, args.policies, POLICIES))
@@ -137,22 +135,13 @@ def train(name, data, args):
   policy = jmp_lite.get_policy(POLICIES[name][0])
   model = jmp_lite.flax.wrap(CNN(), policy)
   params = model.init(jax.random.key(args.seed), x_train[:1])["params"]
-  # f16 has a narrow range: scale the loss, dynamically. bf16 has f32's range.
-  # The start is measured on the first batch (one float32 pass of the
-  # unwrapped model) rather than found by skipping steps from 2**15.
-  calibrated = None
-  if policy.compute_dtype != jnp.float16:
-    loss_scale = jmp_lite.NoOpLossScale()
-  elif args.no_calibrate:
-    loss_scale = jmp_lite.DynamicLossScale(2.0 ** 15, period=200)
-  else:
-    first = np.random.default_rng(args.seed).integers(0, len(y_train), args.batch_size)
-    f32_loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
-        CNN().apply({"params": p}, x), y).mean()
-    params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-    calibrated = jmp_lite.calibrate(f32_loss, params32, x_train[first], y_train[first],
-                                    policy=policy)
-    loss_scale = calibrated.dynamic_loss_scale(period=200)
+  # f16 has a narrow range: scale the loss, dynamically, from a measured
+  # start. bf16 has f32's range.
+  first = np.random.default_rng(args.seed).integers(0, len(y_train), args.batch_size)
+  f32_loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
+      CNN().apply({"params": p}, x), y).mean()
+  loss_scale, calibrated, telemetry = _firstrun.f16_start(
+      policy, args, f32_loss, params, x_train[first], y_train[first])
   state = jmp_lite.TrainState.create(
       apply_fn=model.apply, params=params, loss_scale=loss_scale,
       tx=make_optimizer(name, args.lr, args.steps, args.seed))
@@ -162,7 +151,7 @@ def train(name, data, args):
     def loss_fn(params):
       logits = state.apply_fn({"params": params}, x)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return state.minimize(loss_fn)
+    return state.minimize(loss_fn, telemetry=telemetry)
 
   @jax.jit
   def accuracy(params, x, y):
@@ -173,6 +162,7 @@ def train(name, data, args):
   bar = tqdm(range(args.steps), desc=f"{name:>15}", disable=args.no_progress,
              dynamic_ncols=True)
   times = []
+  last_stats = None
   for step in bar:
     idx = rng.integers(0, len(y_train), args.batch_size)
     start = time.perf_counter()
@@ -180,6 +170,8 @@ def train(name, data, args):
     losses.append(float(info.loss))  # waits for the step
     times.append(time.perf_counter() - start)
     scales.append(float(info.loss_scale))
+    if telemetry is not None and step % telemetry.every == 0:
+      last_stats = (step, info.precision)
     if step % 20 == 0 or step == args.steps - 1:
       bar.set_postfix(loss=f"{losses[-1]:.4f}", scale=f"{scales[-1]:g}")
   ls_state = state.loss_scale_state
@@ -199,6 +191,7 @@ def train(name, data, args):
       "step_ms": float(np.median(times[1:]) * 1e3) if len(times) > 1 else float("nan"),
       "losses": losses,
       "loss_scales": scales,
+      "telemetry": last_stats,
   }
 
 
@@ -257,10 +250,14 @@ def main(argv=None):
           (i, b) for i, (a, b) in enumerate(zip(r["loss_scales"], r["loss_scales"][1:]), 1)
           if a != b]
       print(f"{name} loss scale by step: " + ", ".join(f"{i}: {v:g}" for i, v in changes))
+  for name, r in results.items():
+    if r["telemetry"] is not None:
+      _firstrun.print_telemetry(name, *r["telemetry"])
   summary = {
       "example": "train_digits", "steps": args.steps, "batch_size": args.batch_size,
       "seed": args.seed, "lr": args.lr, "backend": jax.default_backend(), **probe,
-      "results": {n: {k: v for k, v in r.items() if k not in ("losses", "loss_scales")}
+      "results": {n: {k: v for k, v in r.items()
+                      if k not in ("losses", "loss_scales", "telemetry")}
                   for n, r in results.items()},
       "plot": plot_path,
   }

@@ -31,7 +31,6 @@ import numpy as np
 from jmp_lite import _internals
 from jmp_lite import _probes
 from jmp_lite import _replicas
-from jmp_lite import _struct
 from jmp_lite import telemetry as telemetry_lib
 
 _NESTED = ("scan", "remat2", "jit", "pjit", "cond")
@@ -135,15 +134,19 @@ def _clean(path: str) -> str:
   return "/".join(parts)
 
 
-def interpret(jaxpr, consts, args, carrier, plan: Plan) -> list[Any]:
-  """Evaluates ``jaxpr`` with the probes of ``plan`` fed from ``carrier``."""
+def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
+  """Evaluates ``jaxpr`` with the probes of ``plan`` fed from ``carrier``.
+
+  ``gate``: None (every probe measures) or a float32 scalar (they measure
+  where it is positive, `jmp_lite._probes.probe`).
+  """
   index = iter(range(len(jaxpr.eqns)))
 
   def eval_eqn(eqn, invals):
     i = next(index)
     nested = plan.nested.get(i)
     if nested is not None:
-      return _nested(eqn, invals, carrier, nested)
+      return _nested(eqn, invals, carrier, nested, gate)
     points = plan.points.get(i, ())
     if _probes.tap_index(eqn) is not None:
       outs = list(invals)  # the mark is the identity
@@ -153,13 +156,14 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan) -> list[Any]:
         return outs
       outs = list(outs) if eqn.primitive.multiple_results else [outs]
     for j, p in points:
-      outs[j] = _probes.probe(outs[j], carrier[p.offset:p.offset + p.width], p.tinies)
+      outs[j] = _probes.probe(outs[j], carrier[p.offset:p.offset + p.width],
+                              p.tinies, gate)
     return outs if eqn.primitive.multiple_results else outs[0]
 
   return _internals.eval_jaxpr(jaxpr, consts, args, eval_eqn)
 
 
-def _nested(eqn, invals, carrier, nested: Nested):
+def _nested(eqn, invals, carrier, nested: Nested, gate):
   p = eqn.params
   kind = nested.kind
   sizes = [c.size for c in nested.children]
@@ -172,7 +176,8 @@ def _nested(eqn, invals, carrier, nested: Nested):
 
     def step(carry, x):
       xs_i, c_i = x
-      outs = interpret(body.jaxpr, body.consts, [*consts, *carry, *xs_i], c_i, child)
+      outs = interpret(body.jaxpr, body.consts, [*consts, *carry, *xs_i], c_i,
+                       child, gate)
       return outs[:nk], outs[nk:]
 
     carry, ys = jax.lax.scan(
@@ -182,22 +187,22 @@ def _nested(eqn, invals, carrier, nested: Nested):
   if kind == "remat2":
     (child,) = nested.children
     body = p["jaxpr"]
-    fun = lambda c, *a: interpret(body, [], list(a), c, child)
+    fun = lambda c, *a: interpret(body, [], list(a), c, child, gate)
     return jax.checkpoint(fun, prevent_cse=p["prevent_cse"], policy=p["policy"])(
         region, *invals)
   if kind in ("jit", "pjit"):
     (child,) = nested.children
     body = p["jaxpr"]
-    return interpret(body.jaxpr, body.consts, list(invals), region, child)
+    return interpret(body.jaxpr, body.consts, list(invals), region, child, gate)
   # cond: each branch reads its own slice of the region.
   starts = np.cumsum([0, *sizes])
-  branches = [functools.partial(_branch, b, c, region[s:s + c.size])
+  branches = [functools.partial(_branch, b, c, region[s:s + c.size], gate)
               for b, c, s in zip(p["branches"], nested.children, starts)]
   return list(jax.lax.switch(invals[0], branches, *invals[1:]))
 
 
-def _branch(closed, plan, carrier, *ops):
-  return interpret(closed.jaxpr, closed.consts, list(ops), carrier, plan)
+def _branch(closed, plan, carrier, gate, *ops):
+  return interpret(closed.jaxpr, closed.consts, list(ops), carrier, plan, gate)
 
 
 def decode(vector: jax.Array, plan: Plan) -> list[tuple[str, str, jax.Array]]:
@@ -226,10 +231,12 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
                    mode: str, what_if: Sequence[Any]) -> Callable[..., Any]:
   """``jax.value_and_grad(fun, argnums, has_aux=True)`` plus per-probe statistics.
 
-  Returns ``g(*args, **kwargs) -> ((value, aux), grads), rows`` with ``rows``
-  as `decode` returns them (arrays computed in the same pass).
+  Returns ``g(gate, *args, **kwargs) -> ((value, aux), grads), rows`` with
+  ``rows`` as `decode` returns them (arrays computed in the same pass);
+  ``gate`` as `interpret` takes it.
   """
-  def g(*args, **kwargs):
+
+  def g(gate, *args, **kwargs):
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     traced = [i for i, x in enumerate(leaves)
               if isinstance(x, (jax.Array, np.ndarray, np.generic))]
@@ -250,7 +257,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
     def probed(carrier, *args, **kwargs):
       now = jax.tree_util.tree_leaves((args, kwargs))
       outs = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced],
-                       carrier, plan)
+                       carrier, plan, gate)
       value, aux = jax.tree_util.tree_unflatten(out_tree["tree"], outs)
       return value, aux
 
@@ -331,19 +338,7 @@ def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None, sampled=True
                         order=tuple(modules))
 
 
-def sampled(telemetry: telemetry_lib.Telemetry, step, measured: Callable[[], Any],
-            plain: Callable[[], Any]) -> Any:
-  """``measured()`` on sampled steps, else ``plain()`` with zero statistics.
-
-  ``measured`` returns ``(*outputs, stats)``, ``plain`` the outputs alone.
-  """
+def gate(telemetry: telemetry_lib.Telemetry, step) -> Optional[jax.Array]:
+  """None (measure) when every step is measured, else 1.0 on sampled steps."""
   sample = telemetry.sample(step)
-  if sample is True:
-    return measured()
-  shapes = jax.eval_shape(measured)
-
-  def skip():
-    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[-1])
-    return (*plain(), _struct.replace_fields(zeros, sampled=jnp.asarray(False)))
-
-  return jax.lax.cond(sample, measured, skip)
+  return None if sample is True else jnp.asarray(sample, jnp.float32)

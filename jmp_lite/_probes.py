@@ -119,9 +119,21 @@ def statistics(x: jax.Array, tinies: tuple[float, ...]) -> jax.Array:
   return jnp.stack(out)
 
 
+def probe(x: jax.Array, carrier: jax.Array, tinies: tuple[float, ...],
+          gate: Optional[jax.Array] = None) -> jax.Array:
+  """``x``, with its statistics and its cotangent's in ``carrier``'s cotangent.
+
+  With ``gate`` (a float32 scalar), only where ``gate > 0``: otherwise zeros,
+  and the reductions are skipped (a ``cond`` around each, so that the rest
+  of the step stays outside any conditional).
+  """
+  if gate is None:
+    return _probe(x, carrier, tinies)
+  return _gated_probe(x, carrier, gate, tinies)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def probe(x: jax.Array, carrier: jax.Array, tinies: tuple[float, ...]) -> jax.Array:
-  """``x``, with its statistics and its cotangent's in ``carrier``'s cotangent."""
+def _probe(x, carrier, tinies):
   del carrier, tinies
   return x
 
@@ -135,7 +147,32 @@ def _probe_bwd(tinies, forward, g):
   return g, jnp.concatenate([forward, statistics(g, tinies)])
 
 
-probe.defvjp(_probe_fwd, _probe_bwd)
+_probe.defvjp(_probe_fwd, _probe_bwd)
+
+
+def _when(gate, x, tinies):
+  return jax.lax.cond(gate > 0, lambda v: statistics(v, tinies),
+                      lambda v: jnp.zeros(BASE_STATS + len(tinies), jnp.float32), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gated_probe(x, carrier, gate, tinies):
+  del carrier, gate, tinies
+  return x
+
+
+def _gated_fwd(x, carrier, gate, tinies):
+  del carrier
+  return x, (_when(gate, x, tinies), gate)
+
+
+def _gated_bwd(tinies, res, g):
+  forward, gate = res
+  return (g, jnp.concatenate([forward, _when(gate, g, tinies)]),
+          jnp.zeros_like(gate))
+
+
+_gated_probe.defvjp(_gated_fwd, _gated_bwd)
 
 
 def dtype_name(dtype) -> str:

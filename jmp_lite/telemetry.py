@@ -17,10 +17,11 @@ row, inside ``remat``/``checkpoint`` and ``cond`` too. Under ``shard_map`` with
 an ``axis_name`` the statistics are reduced across it (maxima by ``pmax``,
 counts by ``psum``); under ``jit`` with sharded arrays they are global.
 
-Cost: ``Telemetry(every=K)`` measures on every K-th step (``lax.cond``
-between the probed and the plain step); the other steps run the plain step,
-and without ``telemetry`` nothing changes at all. ``bench/`` measures the
-three side by side.
+Cost: ``Telemetry(every=K)`` measures on every K-th step: each probe's
+reductions sit in a small ``lax.cond``, so the other steps skip them and run
+the step itself as compiled without telemetry (one compilation for both).
+Without ``telemetry`` nothing changes at all. ``bench/`` (section
+``telemetry``) times the three side by side.
 
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -21,8 +21,9 @@ from bench.sections import imports
 from bench.sections import matmul
 from bench.sections import memory
 from bench.sections import steps
+from bench.sections import telemetry
 
 # Later sections (the Flax `wrap` bench, an autocast bench, the examples' timings)
 # go here, in the order they should run.
 SECTIONS = {m.NAME: m for m in (all_finite, matmul, steps, fused_clip, guard,
-                                compiles, memory, imports)}
+                                compiles, memory, imports, telemetry)}
