@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="validation batches (the same ones for every policy)")
   parser.add_argument("--out-dir", default="runs/char_lm", help="where summary.json goes")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  _firstrun.add_precision_arguments(parser, telemetry_every=100)
   args = parser.parse_args(argv)
   args.policies = _firstrun.policy_names(parser, args.policies, POLICIES)
   return args
@@ -126,8 +127,16 @@ def train(name, train_data, val_data, args):
   model = jmp_lite.flax.wrap(CharTransformer(context=args.context), policy)
   x0 = np.zeros((1, args.context), np.int32)
   params = model.init(jax.random.key(args.seed), x0)["params"]
-  loss_scale = (jmp_lite.DynamicLossScale(2.0 ** 15, period=200)
-                if policy.compute_dtype == jnp.float16 else jmp_lite.NoOpLossScale())
+  rng = np.random.default_rng(args.seed)
+  first = batches(train_data, np.random.default_rng(args.seed), args.batch_size,
+                  args.context)  # what the first step will see
+
+  def f32_loss(params, x, y):
+    logits = CharTransformer(context=args.context).apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  loss_scale, calibrated, telemetry = _firstrun.f16_start(policy, args, f32_loss,
+                                                          params, *first)
   warmup = max(1, min(50, args.steps // 10))
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps))
   state = jmp_lite.TrainState.create(apply_fn=model.apply, params=params, tx=tx,
@@ -139,11 +148,11 @@ def train(name, train_data, val_data, args):
 
   @jax.jit
   def train_step(state, x, y):
-    return state.minimize(loss_of, x, y)
+    return state.minimize(loss_of, x, y, telemetry=telemetry)
 
   val_loss = jax.jit(loss_of)
-  rng = np.random.default_rng(args.seed)
   losses, scales, times = [], [], []
+  last_stats = None
   bar = tqdm(range(args.steps), desc=f"{name:>5}", disable=args.no_progress,
              dynamic_ncols=True)
   for step in bar:
@@ -153,6 +162,8 @@ def train(name, train_data, val_data, args):
     losses.append(float(info.loss))  # blocks: the step is done
     times.append(time.perf_counter() - start)
     scales.append(float(info.loss_scale))
+    if telemetry is not None and step % telemetry.every == 0:
+      last_stats = (step, info.precision)
     if step % 10 == 0 or step == args.steps - 1:
       bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{scales[-1]:g}")
 
@@ -170,9 +181,11 @@ def train(name, train_data, val_data, args):
       "compile_seconds": times[0],
       "step_ms": float(np.median(steady)) * 1e3,
       "skipped_steps": int(state.loss_scale_state.skipped_steps),
+      "calibrated_loss_scale": None if calibrated is None else calibrated.loss_scale,
       "final_loss_scale": float(state.loss_scale.loss_scale),
       "losses": losses,
       "loss_scales": scales,
+      "telemetry": last_stats,
   }
 
 
@@ -194,11 +207,15 @@ def main(argv=None):
         f"{r['tokens_per_second']:,.0f}", r["skipped_steps"],
         f"{r['compile_seconds']:.1f}", f"{r['step_ms']:.0f}"]
        for name, r in results.items()])
+  for name, r in results.items():
+    if r["telemetry"] is not None:
+      _firstrun.print_telemetry(name, *r["telemetry"])
   summary = {
       "example": "train_char_lm", "steps": args.steps, "batch_size": args.batch_size,
       "context": args.context, "seed": args.seed, "corpus_bytes": int(len(data)),
       "backend": jax.default_backend(), **probe,
-      "results": {n: {k: v for k, v in r.items() if k not in ("losses", "loss_scales")}
+      "results": {n: {k: v for k, v in r.items()
+                      if k not in ("losses", "loss_scales", "telemetry")}
                   for n, r in results.items()},
   }
   print()

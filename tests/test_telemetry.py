@@ -242,8 +242,9 @@ def test_overflow_is_localised_forward_and_backward():
   assert all(int(m.forward_nonfinite) == 0 for m in stats.modules.values())
   assert stats.first_nonfinite() == "(model) (backward)"
   ct = 2.0 ** 30 * 2 * np.asarray(wrapped.apply({"params": params}, x))
-  assert int(stats.modules[""].backward_nonfinite) == np.sum(
-      np.isinf(ct.astype(np.float16))) > 0
+  with np.errstate(over="ignore"):
+    overflowed = np.sum(np.isinf(ct.astype(np.float16)))  # rounded to the model's f16
+  assert int(stats.modules[""].backward_nonfinite) == overflowed > 0
 
 
 class Block(nn.Module):
