@@ -79,8 +79,33 @@ def test_autocast_plain_jax(tmp_path):
   _assert_first_run_output(stdout, summary)
 
 
+def test_train_char_lm_f16_calibrated_with_telemetry(tmp_path):
+  summary, stdout = _run("train_char_lm.py", tmp_path, "--steps", "12", "--policies",
+                         "f16", "--corpus-bytes", "200000", "--val-batches", "1",
+                         "--telemetry-every", "10")
+  f16 = summary["results"]["f16"]
+  assert f16["skipped_steps"] == 0 and f16["calibrated_loss_scale"] >= 2.0 ** 10
+  # The last sampled table (step 10): one row per module, the scanned-free
+  # model's blocks by name.
+  table = stdout[stdout.index("f16: precision telemetry at step 10"):]
+  for row in ("Embed_0 ", "Block_1/MultiHeadDotProductAttention_0/query ", "(model) "):
+    assert row in table
+
+
+@pytest.mark.parametrize("module, step", [
+    ("Block_1/MultiHeadDotProductAttention_0/query", 4), ("Block_0/Dense_1", 2)])
+def test_localize_overflow_names_the_injected_module(tmp_path, module, step):
+  # The script checks itself (exit status 1 on a mismatch); the oracle is
+  # the module we chose to spike.
+  summary, stdout = _run("localize_overflow.py", tmp_path, "--steps", "6",
+                         "--corpus-bytes", "100000", "--inject-module", module,
+                         "--inject-step", str(step))
+  assert summary["found"] == f"{module} (forward)" and summary["ok"]
+  assert f"step {step}: skipped" in stdout
+
+
 SCRIPTS = ["train_digits.py", "train_char_lm.py", "autocast_plain_jax.py",
-           "train_seq2seq.py", "train_char_lm_multihost.py"]
+           "train_seq2seq.py", "train_char_lm_multihost.py", "localize_overflow.py"]
 
 
 def _without_jax(tmp_path):
