@@ -62,7 +62,6 @@ if __name__ == "__main__":
 
 import flax.linen as nn  # noqa: E402  (imports after the early parse above)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
