@@ -73,11 +73,17 @@ def add_precision_arguments(parser, *, telemetry_every: int) -> None:
                            "table; 0: off")
 
 
-def f16_start(policy, args, f32_loss, params, *batch):
+# How often an underflow-aware loss scale's run measures its cotangents.
+UNDERFLOW_EVERY = 10
+
+
+def f16_start(policy, args, f32_loss, params, *batch, underflow_aware=False):
   """An f16 run's loss scale (calibrated unless --no-calibrate) and telemetry.
 
   Returns ``(loss_scale, calibration or None, telemetry or None)``; for
-  other compute dtypes no scaling and no telemetry.
+  other compute dtypes no scaling and no telemetry. ``underflow_aware``: a
+  `jmp_lite.UnderflowAwareLossScale`, with telemetry every `UNDERFLOW_EVERY`
+  steps to feed it.
   """
   import jax  # after argument parsing
   import jax.numpy as jnp
@@ -85,15 +91,16 @@ def f16_start(policy, args, f32_loss, params, *batch):
 
   if policy.compute_dtype != jnp.float16:
     return jmp_lite.NoOpLossScale(), None, None
-  telemetry = (jmp_lite.Telemetry(every=args.telemetry_every)
-               if args.telemetry_every > 0 else None)
+  every = UNDERFLOW_EVERY if underflow_aware else args.telemetry_every
+  telemetry = jmp_lite.Telemetry(every=every) if every > 0 else None
+  make = jmp_lite.UnderflowAwareLossScale if underflow_aware else jmp_lite.DynamicLossScale
   if args.no_calibrate:
-    return jmp_lite.DynamicLossScale(2.0 ** 15, period=200), None, telemetry
+    return make(2.0 ** 15, period=200), None, telemetry
   # The start is measured on the first batch (one float32 pass of the
   # unwrapped model) rather than found by skipping steps from 2**15.
   params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
   calibrated = jmp_lite.calibrate(f32_loss, params32, *batch, policy=policy)
-  return calibrated.dynamic_loss_scale(period=200), calibrated, telemetry
+  return make(calibrated.loss_scale, period=200), calibrated, telemetry
 
 
 def print_telemetry(name: str, step: int, stats) -> None:

@@ -6,6 +6,8 @@ same batches, under each policy:
   f32          float32 everywhere (the reference).
   bf16         float32 master params, bfloat16 compute (`jmp_lite.flax.wrap`).
   f16          float32 master params, float16 compute, dynamic loss scaling.
+  f16_underflow  ... whose loss scale also grows when telemetry measures
+               underflowing cotangents (`jmp_lite.UnderflowAwareLossScale`).
   pure_f16     float16 params and compute (O3 on a float16 GPU), plain Adam,
                dynamic loss scaling: `with_loss_scale` keeps Adam in float32.
   pure_bf16    bfloat16 params and Adam moments, round-to-nearest updates.
@@ -39,6 +41,7 @@ POLICIES = {
     "f32": ("p=f32,c=f32,o=f32", "float32 throughout (the reference)"),
     "bf16": ("p=f32,c=bf16,o=f32", "bf16 compute, f32 master params"),
     "f16": ("p=f32,c=f16,o=f32", "f16 compute, f32 master params, dynamic loss scale"),
+    "f16_underflow": ("p=f32,c=f16,o=f32", "f16 with an underflow-aware loss scale"),
     "pure_f16": ("p=f16,c=f16,o=f32", "f16 params and compute, dynamic loss scale"),
     "pure_bf16": ("p=bf16,c=bf16,o=f32", "bf16 params and Adam moments, round to nearest"),
     "pure_bf16_sr": ("p=bf16,c=bf16,o=f32", "pure_bf16 + stochastic rounding of updates"),
@@ -48,6 +51,7 @@ DEFAULT_POLICIES = "f32,bf16,f16"
 # Seconds to compile and milliseconds per step of each policy with the
 # defaults, on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
 TIMINGS = {"f32": (3.5, 16.7), "bf16": (4.2, 17.5), "f16": (3.7, 15.8),
+           "f16_underflow": (7.0, 17.0),
            "pure_f16": (4.0, 17.0), "pure_bf16": (4.2, 18.0),
            "pure_bf16_sr": (4.5, 20.0), "pure_bf16_kahan": (4.5, 20.0)}
 
@@ -141,7 +145,8 @@ def train(name, data, args):
   f32_loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
       CNN().apply({"params": p}, x), y).mean()
   loss_scale, calibrated, telemetry = _firstrun.f16_start(
-      policy, args, f32_loss, params, x_train[first], y_train[first])
+      policy, args, f32_loss, params, x_train[first], y_train[first],
+      underflow_aware=name.endswith("_underflow"))
   state = jmp_lite.TrainState.create(
       apply_fn=model.apply, params=params, loss_scale=loss_scale,
       tx=make_optimizer(name, args.lr, args.steps, args.seed))

@@ -26,7 +26,7 @@ from jmp_lite.policy import preferred_half_dtype
 # Imported on first use, so that `import jmp_lite` costs a plain-JAX user
 # little more than `import jax`: the integrations pull in Flax (Linen and NNX)
 # and optax. Submodules, and names that live in them.
-_LAZY_MODULES = ("distributed", "flax", "hardware", "optax", "telemetry", "testing")
+_LAZY_MODULES = ("distributed", "flax", "hardware", "optax", "telemetry", "testing", "underflow")
 _LAZY_NAMES = {
     "audit": "auditing",
     "AuditReport": "auditing",
@@ -37,6 +37,7 @@ _LAZY_NAMES = {
     "StepInfo": "training",
     "Telemetry": "telemetry",
     "TrainState": "training",
+    "UnderflowAwareLossScale": "underflow",
     "UncoveredMatmulError": "_engine",
     "UncoveredMatmulWarning": "_engine",
     "value_and_grad": "training",
@@ -85,5 +86,6 @@ __all__ = (
     "StepInfo",
     "Telemetry",
     "TrainState",
+    "UnderflowAwareLossScale",
     "value_and_grad",
 )

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _dtypes
 from jmp_lite import _internals
 from jmp_lite import _probes
 from jmp_lite import _replicas
@@ -148,13 +149,11 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
     if nested is not None:
       return _nested(eqn, invals, carrier, nested, gate)
     points = plan.points.get(i, ())
-    if _probes.tap_index(eqn) is not None:
-      outs = list(invals)  # the mark is the identity
-    else:
-      outs = _internals.bind(eqn, invals)
-      if not points:
-        return outs
-      outs = list(outs) if eqn.primitive.multiple_results else [outs]
+    # A mark is bound as it is: JAX may have moved a cast into its body.
+    outs = _internals.bind(eqn, invals)
+    if not points:
+      return outs
+    outs = list(outs) if eqn.primitive.multiple_results else [outs]
     for j, p in points:
       outs[j] = _probes.probe(outs[j], carrier[p.offset:p.offset + p.width],
                               p.tinies, gate)
@@ -312,16 +311,21 @@ def _reduce(merged: dict, axis_name) -> dict:
   return out
 
 
-def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None, sampled=True) -> telemetry_lib.PrecisionStats:
-  """`PrecisionStats` from `jmp_lite._instrument.decode`'s rows."""
+def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
+          sampled=True) -> telemetry_lib.PrecisionStats:
+  """`PrecisionStats` from `decode`'s rows."""
   n = 1 + len(telemetry.what_if)
   merged = _reduce(_combine(rows, n), axis_name if _replicas.manual_axes() else None)
   names_of = lambda dtype: [dtype] + [d.name for d in telemetry.what_if]
   modules = {}
+  # Over every cotangent held in a 16-bit or narrower float: what an
+  # underflow-aware loss scale reads.
+  under, nonzero = jnp.float32(0), jnp.float32(0)
+  headroom = jnp.float32(jnp.inf)
   for key, (dtype, arr) in merged.items():
     half = arr.shape[-1] // 2
 
-    def side(part):
+    def side(part, dtype=dtype):
       nonzero = jnp.maximum(part[..., 2], 1.0)
       under = {}
       for i, d in enumerate(names_of(dtype)):
@@ -330,12 +334,21 @@ def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None, sampled=True
 
     fmax, fnon, funder = side(arr[..., :half])
     bmax, bnon, bunder = side(arr[..., half:])
-    modules[key] = telemetry_lib.ModuleStats(forward_max=fmax, forward_nonfinite=fnon,
-                               forward_underflow=funder, backward_max=bmax,
-                               backward_nonfinite=bnon, backward_underflow=bunder,
-                               dtype=dtype)
-  return telemetry_lib.PrecisionStats(sampled=jnp.asarray(sampled), modules=modules,
-                        order=tuple(modules))
+    modules[key] = telemetry_lib.ModuleStats(
+        forward_max=fmax, forward_nonfinite=fnon, forward_underflow=funder,
+        backward_max=bmax, backward_nonfinite=bnon, backward_underflow=bunder,
+        dtype=dtype)
+    if _dtypes.is_narrow_float(dtype):
+      back = arr[..., half:]
+      under += jnp.sum(back[..., _probes.BASE_STATS])
+      nonzero += jnp.sum(back[..., 2])
+      top = jnp.max(back[..., 0])
+      headroom = jnp.minimum(headroom, jnp.where(
+          top > 0, float(jnp.finfo(dtype).max) / top, jnp.inf))
+  return telemetry_lib.PrecisionStats(
+      sampled=jnp.asarray(sampled), modules=modules,
+      cotangent_underflow=under / jnp.maximum(nonzero, 1.0),
+      cotangent_headroom=headroom, order=tuple(modules))
 
 
 def gate(telemetry: telemetry_lib.Telemetry, step) -> Optional[jax.Array]:

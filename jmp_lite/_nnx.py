@@ -113,7 +113,9 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
   for path, node in list(nnx.iter_graph(copy)):
     if isinstance(node, nnx.Param):
       policy = _owner(policies, path)
-      node.set_value(policy.cast_to_compute(node.get_value()))
+      # Tapped in a telemetry trace: its cotangent is the weight gradient.
+      node.set_value(_probes.tap(policy.cast_to_compute(node.get_value()),
+                                 path_str(path)))
     elif isinstance(node, nnx.Module):
       policy = policies[tuple(path)]
       if not rules.module_dtypes:

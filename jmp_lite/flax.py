@@ -107,12 +107,13 @@ class _PolicyScope(Scope):
   `Scope.rewound` builds it); children pushed from it are plain scopes.
   """
 
-  def __init__(self, scope: Scope, policy: Policy):
+  def __init__(self, scope: Scope, policy: Policy, path: str = ""):
     super().__init__(scope._variables, scope.rngs, scope.name, scope.mutable,  # pylint: disable=protected-access
                      scope.parent, path=scope.path,
                      debug_path=scope.debug_path, flags=scope.flags)
     self.rng_counters = scope.rng_counters
     self.jmp_policy = policy
+    self.jmp_path = path
 
   def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
     policy = self.jmp_policy
@@ -122,7 +123,10 @@ class _PolicyScope(Scope):
 
     value = super().param(name, init_in_param_dtype, *init_args, unbox=unbox,
                           **init_kwargs)
-    return policy.cast_to_compute(value)
+    # In a telemetry trace: the parameter as the module computes with it,
+    # whose cotangent is the weight gradient in the compute dtype.
+    return _probes.tap(policy.cast_to_compute(value),
+                       f"{self.jmp_path}/{name}" if self.jmp_path else name)
 
 
 class _LinenInterceptor:
@@ -166,7 +170,7 @@ class _LinenInterceptor:
       else:
         # Not a deep clone: a submodule passed in as an attribute (a shared
         # embedding, nn.RNN's cell) stays the model's, where its variables are.
-        clone = module.clone(parent=_PolicyScope(module.scope, policy),
+        clone = module.clone(parent=_PolicyScope(module.scope, policy, path),
                              _deep_clone=False, **self.dtypes(module, policy))
         out = getattr(clone, context.method_name)(*args, **kwargs)
     finally:

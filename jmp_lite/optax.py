@@ -53,6 +53,7 @@ from jmp_lite import _checks
 from jmp_lite import _replicas
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
+from jmp_lite.underflow import UnderflowAwareLossScale
 from jmp_lite._unscale import apply_updates
 from jmp_lite._dtypes import is_inexact
 from jmp_lite._dtypes import wide_dtype
@@ -125,6 +126,14 @@ class LossScaleState(NamedTuple):
   mini_step: jax.Array
   acc_grads: Any
   acc_finite: jax.Array
+
+
+def _adjust(loss_scale, finite, measured):
+  """``loss_scale.adjust(finite)``, with telemetry's measures where it reads them."""
+  underflow, headroom = measured
+  if underflow is None or not isinstance(loss_scale, UnderflowAwareLossScale):
+    return loss_scale.adjust(finite)
+  return loss_scale.adjust(finite, underflow, headroom)
 
 
 def _no_op_updates(update_fn) -> Any:
@@ -286,7 +295,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
         acc_finite=jnp.array(True),
     )
 
-  def step(grads, state, params, extra_args, scale, earlier_ok):
+  def step(grads, state, params, extra_args, scale, earlier_ok, measured=(None, None)):
     info = _unscale.norm_and_factor(grads, scale, clip_norm)
     finite = info.finite & earlier_ok
     if axis_name is not None:
@@ -330,7 +339,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     dtype = state.grad_norm.dtype
     norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)
     new_state = state._replace(
-        loss_scale=state.loss_scale.adjust(finite),
+        loss_scale=_adjust(state.loss_scale, finite, measured),
         inner_state=inner_state,
         skipped=~applied,
         skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
@@ -358,9 +367,13 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     return traced_update(grads, state, params, **extra_args)
 
   def traced_update(grads, state, params=None, **extra_args):
+    # Telemetry's measures for an underflow-aware loss scale: this
+    # transformation's own extra arguments, not the inner optimizer's.
+    measured = (extra_args.pop("loss_scale_underflow", None),
+                extra_args.pop("loss_scale_headroom", None))
     scale = state.loss_scale.loss_scale.astype(jnp.float32)
     if k == 1:
-      return step(grads, state, params, extra_args, scale, jnp.array(True))
+      return step(grads, state, params, extra_args, scale, jnp.array(True), measured)
 
     summed = jax.tree.map(
         lambda a, g: a + g.astype(a.dtype) if is_inexact(a) else a, state.acc_grads, grads)
@@ -371,7 +384,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     acc_finite = state.acc_finite & ok
 
     def emit():
-      updates, new_state = step(acc, state, params, extra_args, scale * k, acc_finite)
+      updates, new_state = step(acc, state, params, extra_args, scale * k, acc_finite,
+                                measured)
       fresh = jax.tree.map(jnp.zeros_like, acc)
       return updates, new_state._replace(mini_step=jnp.zeros((), jnp.int32),
                                          acc_grads=fresh, acc_finite=jnp.array(True))

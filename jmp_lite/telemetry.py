@@ -2,8 +2,10 @@
 
 Pass a `Telemetry` to `jmp_lite.value_and_grad` or `jmp_lite.TrainState.minimize`
 and the step also returns a `PrecisionStats`: per module path (a wrapped Flax
-model's module, Linen or NNX, as in `jmp_lite.flax.wrap`'s rules; or a value
-marked with `tap` in plain JAX), the largest finite |x| of its output in the
+model's module, Linen or NNX, as in `jmp_lite.flax.wrap`'s rules, and each
+parameter as the module computes with it, ``"Dense_0/kernel"``, whose
+cotangent is the weight gradient in the compute dtype; or a value marked
+with `tap` in plain JAX), the largest finite |x| of its output in the
 forward pass and of that output's cotangent in the backward pass, how many
 of each were non-finite, and which fraction of the non-zero ones were
 subnormal or flushed to zero in the dtype they were held in (and in the
@@ -32,8 +34,10 @@ Example:
   >>> loss = lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)
   >>> vg = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())
   >>> value, grads, finite, stats = vg(params)
+  >>> # The module's parameters as it computes with them (their cotangents
+  >>> # are the weight gradients), then its output ("": the wrapped model).
   >>> list(stats.modules), stats.modules[""].dtype, int(stats.modules[""].forward_nonfinite)
-  ([''], 'float16', 0)
+  (['kernel', 'bias', ''], 'float16', 0)
 """
 
 from __future__ import annotations
@@ -149,11 +153,19 @@ class PrecisionStats:
     sampled: whether this step was measured (``Telemetry.every``); the
       statistics of a step that was not are zeros.
     modules: path -> `ModuleStats`; ``""`` is the wrapped model itself.
+    cotangent_underflow: of all non-zero cotangents held in a 16-bit (or
+      narrower) float, the fraction below that dtype's smallest normal.
+    cotangent_headroom: the smallest ratio, over those dtypes' modules, of
+      the dtype's maximum to the largest cotangent (inf if none): how many
+      times the loss scale could still grow. `jmp_lite.UnderflowAwareLossScale`
+      reads both.
     order: the paths in the order their values were computed.
   """
 
   sampled: jax.Array
   modules: Mapping[str, ModuleStats]
+  cotangent_underflow: jax.Array
+  cotangent_headroom: jax.Array
   # Pytree dicts flatten in sorted key order; this keeps the forward order.
   order: tuple = _struct.static_field(default=())
 

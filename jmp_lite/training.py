@@ -30,6 +30,7 @@ from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
 from jmp_lite import telemetry as telemetry_lib
 from jmp_lite.policy import Policy, get_policy
+from jmp_lite.underflow import UnderflowAwareLossScale
 
 __all__ = (
     "value_and_grad",
@@ -399,7 +400,17 @@ class TrainState(flax.struct.PyTreeNode):
       grads = distributed.reduce_gradients(grads, self.axis_name, policy=self.policy)
     loss, aux = value if has_aux else (value, None)
     used_scale = self.loss_scale.loss_scale
-    new = self.apply_gradients(grads=grads)
+    if stats is not None and isinstance(self.loss_scale, UnderflowAwareLossScale):
+      # What this step measured of its half-precision cotangents (zero
+      # underflow on steps telemetry does not sample).
+      updates, opt_state = self.tx.update(
+          grads, self.opt_state, params=self.params,
+          loss_scale_underflow=jnp.where(stats.sampled, stats.cotangent_underflow, 0.0),
+          loss_scale_headroom=stats.cotangent_headroom)
+      new = self.replace(step=self.step + 1, opt_state=opt_state,
+                         params=jo.apply_updates(self.params, updates))
+    else:
+      new = self.apply_gradients(grads=grads)
     info = new.loss_scale_state
     return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,
                          loss_scale=used_scale, grad_norm=info.grad_norm,

@@ -165,6 +165,7 @@ PUBLIC_MODULES = {
                 "initialize_worker", "report_result"},
     "telemetry": {"Telemetry", "PrecisionStats", "ModuleStats", "tap"},
     "training": {"value_and_grad", "StepInfo", "TrainState"},
+    "underflow": {"UnderflowAwareLossScale"},
 }
 
 

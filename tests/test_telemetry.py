@@ -66,10 +66,15 @@ def _under(x, dtype):
   return np.mean(a < float(ml_dtypes.finfo(dtype).smallest_normal)) if a.size else 0.0
 
 
+@functools.partial(jax.jit, static_argnums=0)  # Linen modules hash by value
+def _intermediates(wrapped, params, *args):
+  return wrapped.apply({"params": params}, *args, capture_intermediates=True,
+                       mutable=["intermediates"])[1]
+
+
 def _capture(wrapped, params, *args):
   """Flax's record of every module's output: path -> its first record."""
-  _, state = jax.jit(lambda p, *a: wrapped.apply({"params": p}, *a, capture_intermediates=True,
-                                                 mutable=["intermediates"]))(params, *args)
+  state = _intermediates(wrapped, params, *args)
   flat = jax.tree_util.tree_flatten_with_path(state["intermediates"],
                                               is_leaf=lambda t: isinstance(t, tuple))[0]
   first = lambda out: np.asarray(out[0] if isinstance(out, tuple) else out)  # (carry, y)
@@ -120,13 +125,18 @@ def test_forward_stats_of_a_wrapped_linen_model_are_what_flax_captures():
 
 def test_backward_stats_are_the_scaled_cotangent_of_the_module_output():
   model, _, params, x, _, measured = _mlp()
-  # Oracle in float32: the model split at a module, the rest a function of its output.
-  apply = lambda method, *a: model.apply({"params": params}, *a, method=method)
-  ct_d0 = jax.grad(lambda h: _sq_loss(apply(lambda m, h: m.d2(m.d1(nn.relu(m.ln(h)))), h)))(
-      apply(lambda m, x: m.d0(x), x))
-  ct_d1 = jax.grad(lambda h: _sq_loss(apply(lambda m, h: m.d2(h), h)))(
-      apply(lambda m, x: m.d1(nn.relu(m.ln(m.d0(x)))), x))
-  ct_out = 2 * apply(None, x)  # d sum(out ** 2) / d out
+
+  @jax.jit
+  def oracle(params, x):
+    """In float32: the model split at a module, the rest a function of its output."""
+    apply = lambda method, *a: model.apply({"params": params}, *a, method=method)
+    ct_d0 = jax.grad(lambda h: _sq_loss(apply(lambda m, h: m.d2(m.d1(nn.relu(m.ln(h)))), h)))(
+        apply(lambda m, x: m.d0(x), x))
+    ct_d1 = jax.grad(lambda h: _sq_loss(apply(lambda m, h: m.d2(h), h)))(
+        apply(lambda m, x: m.d1(nn.relu(m.ln(m.d0(x)))), x))
+    return ct_d0, ct_d1, 2 * apply(None, x)  # d sum(out ** 2) / d out
+
+  ct_d0, ct_d1, ct_out = oracle(params, x)
   small, big = (measured(params, jmp_lite.StaticLossScale(s))[3] for s in (1.0, 2.0 ** 10))
   for scale, stats in ((1.0, small), (2.0 ** 10, big)):
     for path, ct in (("d1", ct_d1), ("d2", ct_out), ("", ct_out)):
