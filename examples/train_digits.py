@@ -167,7 +167,7 @@ def train(name, data, args):
   bar = tqdm(range(args.steps), desc=f"{name:>15}", disable=args.no_progress,
              dynamic_ncols=True)
   times = []
-  last_stats = None
+  last_stats, underflow = None, []
   for step in bar:
     idx = rng.integers(0, len(y_train), args.batch_size)
     start = time.perf_counter()
@@ -177,6 +177,7 @@ def train(name, data, args):
     scales.append(float(info.loss_scale))
     if telemetry is not None and step % telemetry.every == 0:
       last_stats = (step, info.precision)
+      underflow.append((step, float(info.precision.cotangent_underflow)))
     if step % 20 == 0 or step == args.steps - 1:
       bar.set_postfix(loss=f"{losses[-1]:.4f}", scale=f"{scales[-1]:g}")
   ls_state = state.loss_scale_state
@@ -197,6 +198,7 @@ def train(name, data, args):
       "losses": losses,
       "loss_scales": scales,
       "telemetry": last_stats,
+      "cotangent_underflow": underflow,
   }
 
 
@@ -208,8 +210,9 @@ def plot(results, path):
   # Only policies whose loss scale moved get a panel line: a scale fixed at 1
   # (bf16, f32: no scaling) carries no information.
   scaled = {n: r for n, r in results.items() if len(set(r["loss_scales"])) > 1}
-  fig, axes = plt.subplots(1, 2 if scaled else 1, figsize=(13 if scaled else 7.5, 4.8),
-                           squeeze=False)
+  measured = {n: r for n, r in results.items() if r["cotangent_underflow"]}
+  panels = 1 + bool(scaled) + bool(measured)
+  fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False)
   ax1 = axes[0, 0]
   for name, r in results.items():
     loss = np.convolve(r["losses"], np.ones(10) / 10, mode="valid")
@@ -226,6 +229,15 @@ def plot(results, path):
             xlabel="step", ylabel="loss scale", yscale="log")
     ax2.title.set_fontsize(9)
     ax2.legend(fontsize=7)
+  if measured:
+    ax3 = axes[0, panels - 1]
+    for name, r in measured.items():
+      steps, shares = zip(*r["cotangent_underflow"])
+      ax3.plot(steps, np.asarray(shares) * 100, marker=".", label=name)
+    ax3.set(title="f16 cotangents below the smallest normal (jmp_lite.Telemetry)",
+            xlabel="step", ylabel="% of non-zero cotangents", ylim=(0, None))
+    ax3.title.set_fontsize(9)
+    ax3.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -262,7 +274,8 @@ def main(argv=None):
       "example": "train_digits", "steps": args.steps, "batch_size": args.batch_size,
       "seed": args.seed, "lr": args.lr, "backend": jax.default_backend(), **probe,
       "results": {n: {k: v for k, v in r.items()
-                      if k not in ("losses", "loss_scales", "telemetry")}
+                      if k not in ("losses", "loss_scales", "telemetry",
+                                   "cotangent_underflow")}
                   for n, r in results.items()},
       "plot": plot_path,
   }
