@@ -262,6 +262,10 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
 
     shifted = tuple(a + 1 for a in argnums)
     carrier = jnp.zeros((plan.size,), jnp.float32)
+    if _replicas.manual_axes() and _replicas.tracks_varying(_replicas.manual_axes()):
+      # Per-device statistics: a carrier varying over every manual axis
+      # takes them without the sum a replicated input's gradient gets.
+      carrier = jax.lax.pcast(carrier, _replicas.manual_axes(), to="varying")
     (value, aux), grads = jax.value_and_grad(probed, argnums=(0, *shifted),
                                              has_aux=True)(carrier, *args, **kwargs)
     return ((value, aux), tuple(grads[1:])), decode(grads[0], plan)

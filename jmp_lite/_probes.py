@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _replicas
+
 TAP_PREFIX = "jmp_lite_tap_"
 # Per measured value: largest finite |x|, non-finite count, non-zero finite
 # count, then per dtype the count of non-zero values below its smallest
@@ -126,50 +128,63 @@ def probe(x: jax.Array, carrier: jax.Array, tinies: tuple[float, ...],
   With ``gate`` (a float32 scalar), only where ``gate > 0``: otherwise zeros,
   and the reductions are skipped (a ``cond`` around each, so that the rest
   of the step stays outside any conditional).
+
+  Under ``shard_map`` the carrier varies over every manual axis (see
+  `_instrument`): per-device statistics are typed so before they are
+  returned as its cotangent.
   """
+  axes = tuple(sorted(_replicas.varying_axes(carrier)))
   if gate is None:
-    return _probe(x, carrier, tinies)
-  return _gated_probe(x, carrier, gate, tinies)
+    return _probe(x, carrier, tinies, axes)
+  return _gated_probe(x, carrier, gate, tinies, axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _probe(x, carrier, tinies):
-  del carrier, tinies
+def _varying(stats, axes):
+  """``stats`` typed as varying over ``axes`` (what the carrier is)."""
+  missing = tuple(a for a in axes if a not in _replicas.varying_axes(stats))
+  return jax.lax.pcast(stats, missing, to="varying") if missing else stats
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _probe(x, carrier, tinies, axes):
+  del carrier, tinies, axes
   return x
 
 
-def _probe_fwd(x, carrier, tinies):
-  del carrier
+def _probe_fwd(x, carrier, tinies, axes):
+  del carrier, axes
   return x, statistics(x, tinies)
 
 
-def _probe_bwd(tinies, forward, g):
-  return g, jnp.concatenate([forward, statistics(g, tinies)])
+def _probe_bwd(tinies, axes, forward, g):
+  return g, _varying(jnp.concatenate([forward, statistics(g, tinies)]), axes)
 
 
 _probe.defvjp(_probe_fwd, _probe_bwd)
 
 
 def _when(gate, x, tinies):
-  return jax.lax.cond(gate > 0, lambda v: statistics(v, tinies),
-                      lambda v: jnp.zeros(BASE_STATS + len(tinies), jnp.float32), x)
+  def skip(v):
+    zeros = jnp.zeros(BASE_STATS + len(tinies), jnp.float32)
+    return _varying(zeros, tuple(sorted(_replicas.varying_axes(v))))
+  return jax.lax.cond(gate > 0, lambda v: statistics(v, tinies), skip, x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gated_probe(x, carrier, gate, tinies):
-  del carrier, gate, tinies
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gated_probe(x, carrier, gate, tinies, axes):
+  del carrier, gate, tinies, axes
   return x
 
 
-def _gated_fwd(x, carrier, gate, tinies):
-  del carrier
+def _gated_fwd(x, carrier, gate, tinies, axes):
+  del carrier, axes
   return x, (_when(gate, x, tinies), gate)
 
 
-def _gated_bwd(tinies, res, g):
+def _gated_bwd(tinies, axes, res, g):
   forward, gate = res
-  return (g, jnp.concatenate([forward, _when(gate, g, tinies)]),
-          jnp.zeros_like(gate))
+  stats = jnp.concatenate([forward, _when(gate, g, tinies)])
+  return g, _varying(stats, axes), jnp.zeros_like(gate)
 
 
 _gated_probe.defvjp(_gated_fwd, _gated_bwd)

@@ -774,3 +774,49 @@ def test_flax_wrap_under_jit_sharded_batch_matches_one_device(auto):
     assert a.dtype == b.dtype == jnp.float32
     assert a.sharding.is_fully_replicated
     np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3)
+
+
+# ----------------------------------------------------------------- telemetry
+
+
+def _tapped_loss(params, x, y):
+  tap = jmp_lite.telemetry.tap
+  h = tap(jnp.tanh(x.astype(params["w1"].dtype) @ params["w1"] + params["b1"]), "hidden")
+  out = tap(h @ params["w2"], "out")
+  return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_telemetry_under_shard_map_is_reduced_across_devices(every):
+  # Oracle: the same step on one device. Forward statistics are the same
+  # numbers (max of the per-device maxima, sum of counts); each device's
+  # loss is the mean over its 8 rows, so its cotangents are 8x the global
+  # mean's, exactly (a power of two).
+  telemetry = jmp_lite.Telemetry(every=every, what_if=("e4m3",))
+  xs, ys = _batches()
+  x, y = xs[0], ys[0]
+
+  def state():
+    return jmp_lite.TrainState.create(apply_fn=None, params=_params(),
+                                      tx=optax.sgd(0.05), policy=POLICY,
+                                      loss_scale=jmp_lite.StaticLossScale(2.0 ** 4))
+
+  single = jax.jit(lambda s, x, y: s.minimize(_tapped_loss, x, y,
+                                              telemetry=telemetry)[1].precision)(
+      state(), x, y)
+  mesh = _mesh((N_DEVICES,), ("data",))
+  sharded_state = state().replace(axis_name="data")
+  replicated = jax.tree.map(lambda _: P(), sharded_state)
+  step = jax.jit(jax.shard_map(
+      lambda s, x, y: s.minimize(_tapped_loss, x, y, telemetry=telemetry)[1].precision,
+      mesh=mesh, in_specs=(replicated, P("data"), P("data")), out_specs=P()))
+  sharded = step(sharded_state, x, y)
+  assert bool(sharded.sampled) and list(sharded.modules) == ["hidden", "out"]
+  for name in ("hidden", "out"):
+    a, b = single.modules[name], sharded.modules[name]
+    assert float(a.forward_max) == float(b.forward_max) > 0
+    assert int(a.forward_nonfinite) == int(b.forward_nonfinite) == 0
+    for d in a.forward_underflow:
+      np.testing.assert_allclose(float(b.forward_underflow[d]),
+                                 float(a.forward_underflow[d]), rtol=1e-6)
+    assert float(b.backward_max) == 8 * float(a.backward_max) > 0
