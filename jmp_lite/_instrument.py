@@ -43,6 +43,7 @@ class Point:
   path: str
   dtype: str
   tinies: tuple[float, ...]
+  view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
 
   @property
   def width(self) -> int:
@@ -73,10 +74,11 @@ class _Planner:
     self.tap_paths = tap_paths
     self.what_if = tuple(what_if)
 
-  def point(self, plan, key, path, aval):
-    dtype = np.dtype(aval.dtype)
+  def point(self, plan, key, path, aval, view=None):
+    dtype = np.dtype(aval.dtype if view is None else view)
+    view = None if dtype == np.dtype(aval.dtype) else dtype
     point = Point(plan.size, path, dtype.name,
-                  _probes.thresholds(dtype, self.what_if))
+                  _probes.thresholds(dtype, self.what_if), view)
     plan.points.setdefault(key[0], []).append((key[1], point))
     plan.size += point.width
 
@@ -88,7 +90,8 @@ class _Planner:
       if k is not None:
         if self.mode == "modules":
           for j, v in enumerate(eqn.outvars):
-            self.point(plan, (i, j), self.tap_paths[k], v.aval)
+            path, views = self.tap_paths[k]
+            self.point(plan, (i, j), path, v.aval, views[j])
         continue
       children = self.children(eqn, where)
       if children is not None:
@@ -156,7 +159,7 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     for j, p in points:
       outs[j] = _probes.probe(outs[j], carrier[p.offset:p.offset + p.width],
-                              p.tinies, gate)
+                              p.tinies, gate, p.view)
     return outs if eqn.primitive.multiple_results else outs[0]
 
   return _internals.eval_jaxpr(jaxpr, consts, args, eval_eqn)

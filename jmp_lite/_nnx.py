@@ -113,9 +113,10 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
   for path, node in list(nnx.iter_graph(copy)):
     if isinstance(node, nnx.Param):
       policy = _owner(policies, path)
-      # Tapped in a telemetry trace: its cotangent is the weight gradient.
-      node.set_value(_probes.tap(policy.cast_to_compute(node.get_value()),
-                                 path_str(path)))
+      # Tapped in a telemetry trace (seen in the compute dtype): its
+      # cotangent is the weight gradient.
+      node.set_value(policy.cast_to_compute(_probes.tap(
+          node.get_value(), path_str(path), view=policy.compute_dtype)))
     elif isinstance(node, nnx.Module):
       policy = policies[tuple(path)]
       if not rules.module_dtypes:

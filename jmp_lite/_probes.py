@@ -62,13 +62,17 @@ def tapping():
     _taps.paths = saved
 
 
-def tap(tree: Any, path: str) -> Any:
+def tap(tree: Any, path: str, view=None) -> Any:
   """Marks ``tree``'s floating leaves as the value of ``path`` in a probe trace.
 
   The mark is a ``jit`` of the identity whose name indexes ``path``: every
   rewrite of jmp_lite (the precision engine, autocast) and of JAX keeps it
   as it is, and the probe pass finds it. Outside a probe trace, and for
   non-floating leaves, nothing happens.
+
+  ``view``: the dtype the value is about to be cast to (a parameter, marked
+  before its cast to the compute dtype). Its forward statistics are those
+  of the cast value, and both sides count underflow in that dtype.
   """
   paths = _taps.paths
   if paths is None:
@@ -77,7 +81,11 @@ def tap(tree: Any, path: str) -> Any:
   where = [i for i, x in enumerate(leaves) if _is_floating(x)]
   if not where:
     return tree
-  paths.append(path)
+  # Each value's dtype as marked: `jmp_lite._sink` may widen the mark's
+  # operands later (moving a downcast past it), and the statistics stay in
+  # this dtype.
+  paths.append((path, tuple(np.dtype(leaves[i].dtype if view is None else view)
+                            for i in where)))
 
   def identity(*xs):
     return xs
@@ -109,8 +117,13 @@ def thresholds(dtype, what_if: Sequence[Any]) -> tuple[float, ...]:
                for d in (dtype, *what_if))
 
 
-def statistics(x: jax.Array, tinies: tuple[float, ...]) -> jax.Array:
-  """``[max finite |x|, #non-finite, #non-zero finite, #below each tiny]``."""
+def statistics(x: jax.Array, tinies: tuple[float, ...], view=None) -> jax.Array:
+  """``[max finite |x|, #non-finite, #non-zero finite, #below each tiny]``.
+
+  Of ``x`` cast to ``view`` first, if given.
+  """
+  if view is not None:
+    x = x.astype(view)
   a = jnp.abs(x).astype(jnp.float32)
   finite = jnp.isfinite(a)
   a = jnp.where(finite, a, 0.0)
@@ -122,7 +135,7 @@ def statistics(x: jax.Array, tinies: tuple[float, ...]) -> jax.Array:
 
 
 def probe(x: jax.Array, carrier: jax.Array, tinies: tuple[float, ...],
-          gate: Optional[jax.Array] = None) -> jax.Array:
+          gate: Optional[jax.Array] = None, view=None) -> jax.Array:
   """``x``, with its statistics and its cotangent's in ``carrier``'s cotangent.
 
   With ``gate`` (a float32 scalar), only where ``gate > 0``: otherwise zeros,
@@ -131,12 +144,12 @@ def probe(x: jax.Array, carrier: jax.Array, tinies: tuple[float, ...],
 
   Under ``shard_map`` the carrier varies over every manual axis (see
   `_instrument`): per-device statistics are typed so before they are
-  returned as its cotangent.
+  returned as its cotangent. ``view``: see `tap`.
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
   if gate is None:
-    return _probe(x, carrier, tinies, axes)
-  return _gated_probe(x, carrier, gate, tinies, axes)
+    return _probe(x, carrier, tinies, axes, view)
+  return _gated_probe(x, carrier, gate, tinies, axes, view)
 
 
 def _varying(stats, axes):
@@ -145,43 +158,45 @@ def _varying(stats, axes):
   return jax.lax.pcast(stats, missing, to="varying") if missing else stats
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _probe(x, carrier, tinies, axes):
-  del carrier, tinies, axes
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _probe(x, carrier, tinies, axes, view):
+  del carrier, tinies, axes, view
   return x
 
 
-def _probe_fwd(x, carrier, tinies, axes):
+def _probe_fwd(x, carrier, tinies, axes, view):
   del carrier, axes
-  return x, statistics(x, tinies)
+  return x, statistics(x, tinies, view)
 
 
-def _probe_bwd(tinies, axes, forward, g):
+def _probe_bwd(tinies, axes, view, forward, g):
+  del view
   return g, _varying(jnp.concatenate([forward, statistics(g, tinies)]), axes)
 
 
 _probe.defvjp(_probe_fwd, _probe_bwd)
 
 
-def _when(gate, x, tinies):
+def _when(gate, x, tinies, view=None):
   def skip(v):
     zeros = jnp.zeros(BASE_STATS + len(tinies), jnp.float32)
     return _varying(zeros, tuple(sorted(_replicas.varying_axes(v))))
-  return jax.lax.cond(gate > 0, lambda v: statistics(v, tinies), skip, x)
+  return jax.lax.cond(gate > 0, lambda v: statistics(v, tinies, view), skip, x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gated_probe(x, carrier, gate, tinies, axes):
-  del carrier, gate, tinies, axes
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gated_probe(x, carrier, gate, tinies, axes, view):
+  del carrier, gate, tinies, axes, view
   return x
 
 
-def _gated_fwd(x, carrier, gate, tinies, axes):
+def _gated_fwd(x, carrier, gate, tinies, axes, view):
   del carrier, axes
-  return x, (_when(gate, x, tinies), gate)
+  return x, (_when(gate, x, tinies, view), gate)
 
 
-def _gated_bwd(tinies, axes, res, g):
+def _gated_bwd(tinies, axes, view, res, g):
+  del view
   forward, gate = res
   stats = jnp.concatenate([forward, _when(gate, g, tinies)])
   return g, _varying(stats, axes), jnp.zeros_like(gate)

@@ -32,6 +32,7 @@ from jax import lax
 
 from jmp_lite import _dtypes
 from jmp_lite import _internals
+from jmp_lite import _probes
 
 # Ops whose result is a selection or a copy of their first operand's values,
 # whatever its dtype: the other operands (a gather's indices) are integers,
@@ -99,9 +100,45 @@ def sink(eqns: list) -> list:
         _internals.rewire(eqn, outer, eqn.outvars), eqn.primitive,
         dict(eqn.params, jaxpr=_internals.closed(body, closed.consts)))
 
+  def through_tap(eqn):
+    """A telemetry mark (`_probes.tap`, an identity ``jit``) of downcast values.
+
+    The mark takes the wide values and the downcasts follow it, so that the
+    moves after it still see them: marking a value must not change the
+    step. The mark still reports the values in their narrow dtype (it
+    recorded that dtype when it was made).
+    """
+    closed = eqn.params["jaxpr"]
+    inner = closed.jaxpr
+    if inner.eqns or list(inner.outvars) != list(inner.invars):
+      return False
+    invars, outvars, after = list(eqn.invars), list(eqn.outvars), []
+    for i, v in enumerate(eqn.invars):
+      if _is_var(v) and v in wide_of and _is_var(outvars[i]):
+        wide, downcast = wide_of[v]
+        w = _internals.new_var(outvars[i].aval.update(
+            dtype=wide.aval.dtype, weak_type=False))
+        moved = _internals.replace_eqn(
+            _internals.rewire(downcast, [w], [outvars[i]]), downcast.primitive,
+            dict(downcast.params, sharding=None))
+        after.append(moved)
+        wide_of[outvars[i]] = (w, moved)
+        invars[i], outvars[i] = wide, w
+    if not after:
+      return False
+    body_vars = [_internals.new_var(v.aval) for v in outvars]
+    body = inner.replace(invars=body_vars, outvars=body_vars)
+    out.append(_internals.replace_eqn(
+        _internals.rewire(eqn, invars, outvars), eqn.primitive,
+        dict(eqn.params, jaxpr=_internals.closed(body, closed.consts))))
+    out.extend(after)
+    return True
+
   for eqn in eqns:
     name = eqn.primitive.name
     if name in CALLS:
+      if _probes.tap_index(eqn) is not None and through_tap(eqn):
+        continue
       out.append(into_call(eqn))
       continue
     if name in BROADCASTING and len(eqn.outvars) == 1:

@@ -123,10 +123,10 @@ class _PolicyScope(Scope):
 
     value = super().param(name, init_in_param_dtype, *init_args, unbox=unbox,
                           **init_kwargs)
-    # In a telemetry trace: the parameter as the module computes with it,
-    # whose cotangent is the weight gradient in the compute dtype.
-    return _probes.tap(policy.cast_to_compute(value),
-                       f"{self.jmp_path}/{name}" if self.jmp_path else name)
+    # In a telemetry trace: the parameter (seen in the compute dtype) and
+    # its cotangent, the weight gradient.
+    path = f"{self.jmp_path}/{name}" if self.jmp_path else name
+    return policy.cast_to_compute(_probes.tap(value, path, view=policy.compute_dtype))
 
 
 class _LinenInterceptor:

@@ -128,9 +128,9 @@ class ModuleStats:
     dtype: the dtype the output was held in.
     forward_max: largest finite |x| of the output.
     forward_nonfinite: count of inf/NaN elements of the output.
-    forward_underflow: per dtype name (``dtype`` first, then ``what_if``):
-      of the non-zero finite elements, the fraction below that dtype's
-      smallest normal (subnormal there, or flushed to zero).
+    forward_underflow: per dtype name (``dtype`` and each ``what_if``): of
+      the non-zero finite elements, the fraction below that dtype's smallest
+      normal (subnormal there, or flushed to zero).
     backward_max, backward_nonfinite, backward_underflow: the same of the
       output's cotangent (scaled by the loss scale).
   """
@@ -195,7 +195,10 @@ class PrecisionStats:
     # Underflow in the dtype each value was held in, then in each what-if one.
     what_if = []
     for stats in self.modules.values():
-      what_if += [d for d in list(stats.forward_underflow)[1:] if d not in what_if]
+      # Pytree dicts come back from jit sorted by key: the held dtype is
+      # found by name, not position.
+      what_if += [d for d in stats.forward_underflow
+                  if d != stats.dtype and d not in what_if]
     head = ["module", "dtype", "fwd max", "nonfin", "subnormal"]
     head += [f"<{_short(d)}" for d in what_if]
     head += ["bwd max", "nonfin", "subnormal"] + [f"<{_short(d)}" for d in what_if]
