@@ -280,15 +280,19 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
 
 
 
-def _combine(rows: Sequence[tuple[str, str, jax.Array]], n_dtypes: int) -> dict:
+def _is_max(width: int) -> np.ndarray:
+  """Which of a probe's ``width`` statistics are maxima (the rest are counts)."""
+  is_max = np.zeros(width, bool)
+  is_max[[0, width // 2]] = True
+  return is_max
+
+
+def _combine(rows: Sequence[tuple[str, str, jax.Array]]) -> dict:
   """Probes of one path (a module called twice, several outputs) merged.
 
   Maxima by max, counts by sum; probes of one path with different dtypes or
-  layer axes are kept apart under ``path#dtype`` or ``path#2``.
+  layer axes are kept apart under ``path#2``, ``path#3``...
   """
-  k = _probes.BASE_STATS + n_dtypes
-  is_max = np.zeros(2 * k, bool)
-  is_max[[0, k]] = True
   merged: dict[str, tuple[str, jax.Array]] = {}
   for path, dtype, arr in rows:
     key = path
@@ -299,7 +303,7 @@ def _combine(rows: Sequence[tuple[str, str, jax.Array]], n_dtypes: int) -> dict:
       key = f"{path}#{n}"
     if key in merged:
       old = merged[key][1]
-      arr = jnp.where(is_max, jnp.maximum(old, arr), old + arr)
+      arr = jnp.where(_is_max(arr.shape[-1]), jnp.maximum(old, arr), old + arr)
     merged[key] = (dtype, arr)
   return merged
 
@@ -310,10 +314,8 @@ def _reduce(merged: dict, axis_name) -> dict:
     return merged
   out = {}
   for key, (dtype, arr) in merged.items():
-    k = arr.shape[-1] // 2
-    is_max = np.zeros(arr.shape[-1], bool)
-    is_max[[0, k]] = True
-    arr = jnp.where(is_max, jax.lax.pmax(arr, axis_name), jax.lax.psum(arr, axis_name))
+    arr = jnp.where(_is_max(arr.shape[-1]), jax.lax.pmax(arr, axis_name),
+                    jax.lax.psum(arr, axis_name))
     out[key] = (dtype, arr)
   return out
 
@@ -321,8 +323,7 @@ def _reduce(merged: dict, axis_name) -> dict:
 def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
           sampled=True) -> telemetry_lib.PrecisionStats:
   """`PrecisionStats` from `decode`'s rows."""
-  n = 1 + len(telemetry.what_if)
-  merged = _reduce(_combine(rows, n), axis_name if _replicas.manual_axes() else None)
+  merged = _reduce(_combine(rows), axis_name if _replicas.manual_axes() else None)
   names_of = lambda dtype: [dtype] + [d.name for d in telemetry.what_if]
   modules = {}
   # Over every cotangent held in a 16-bit or narrower float: what an
