@@ -509,3 +509,41 @@ def test_bad_input_is_named():
     jmp_lite.value_and_grad(jnp.sum, telemetry="yes")
   with pytest.raises(TypeError, match=r"name must be a string, got 3"):
     tap(jnp.ones(2), 3)
+
+
+@pytest.mark.usefixtures("standard_promotion")  # the corpus model adds f32 to f16
+def test_nnx_scan_over_stacked_layers_reports_each_layer():
+  # The corpus' NNX model (nnx.scan over nnx.vmap-stacked Linear, BatchNorm,
+  # Dropout), in eval mode. Oracle for layer 0's Linear: its float16 output
+  # computed by hand from the wrapped model's input layer and layer 0's slice
+  # of the stacked parameters.
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  from test_wrap_corpus import Config, NnxScanNet  # pylint: disable=g-import-not-at-top
+  model = NnxScanNet(Config(), nnx.Rngs(0))
+  wrapped = jmp_lite.flax.wrap(model, F16)
+  wrapped.eval()
+  x = _normal(40, 16, 16)
+  graphdef, params, rest = nnx.split(wrapped, nnx.Param, ...)
+
+  def loss(p):
+    return _sq_loss(nnx.merge(graphdef, p, rest)(x))
+
+  stats = jax.jit(jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry()))(params)[3]
+  layers = Config().layers
+  for path in ("layers", "layers/dense", "layers/bn", "layers/drop"):
+    assert np.shape(stats.modules[path].forward_max) == (layers,), path
+  assert stats.modules["layers/dense"].dtype == "float16"
+  assert stats.modules["layers/bn"].dtype == "float32"  # normalisation kept in f32
+  h = nnx.merge(graphdef, params, rest).module.inp
+  h16 = (x.astype(jnp.float16) @ h.kernel.get_value().astype(jnp.float16)
+         + h.bias.get_value().astype(jnp.float16))
+  dense = model.layers.dense
+  d0 = (h16 @ dense.kernel.get_value()[0].astype(jnp.float16)
+        + dense.bias.get_value()[0].astype(jnp.float16))
+  np.testing.assert_allclose(float(stats.modules["inp"].forward_max),
+                             float(jnp.max(jnp.abs(h16))), rtol=2e-3)
+  np.testing.assert_allclose(float(stats.modules["layers/dense"].forward_max[0]),
+                             float(jnp.max(jnp.abs(d0))), rtol=2e-3)
+  assert "layers/dense (layer 1)" in stats.table()
