@@ -547,3 +547,20 @@ def test_nnx_scan_over_stacked_layers_reports_each_layer():
   np.testing.assert_allclose(float(stats.modules["layers/dense"].forward_max[0]),
                              float(jnp.max(jnp.abs(d0))), rtol=2e-3)
   assert "layers/dense (layer 1)" in stats.table()
+
+
+def test_op_level_autocast_policy_is_measured_and_unchanged():
+  # O1 autocasts the measured function as a whole: the marked value is the
+  # tanh autocast keeps in float32, and the step is the plain O1 step.
+  def loss(w, x):
+    return jnp.sum(tap(jnp.tanh(x @ w), "h") ** 2)
+
+  w, x = _normal(50, 4, 3), _normal(51, 2, 4)
+  plain = jax.jit(jmp_lite.value_and_grad(loss, policy="O1"))(w, x)
+  value, grads, finite, stats = jax.jit(jmp_lite.value_and_grad(
+      loss, policy="O1", telemetry=jmp_lite.Telemetry()))(w, x)
+  assert_trees_bitwise_equal((value, grads, finite), plain)
+  assert list(stats.modules) == ["h"] and stats.modules["h"].dtype == "float32"
+  h = jnp.tanh((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32))
+  np.testing.assert_allclose(float(stats.modules["h"].forward_max),
+                             float(jnp.max(jnp.abs(h))), rtol=1e-2)
