@@ -358,7 +358,12 @@ class TrainState(flax.struct.PyTreeNode):
 
     Unscaling, the finiteness check, clipping and skipping happen in ``tx``.
     """
-    updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+    return self._apply(grads, {}, **kwargs)
+
+  def _apply(self, grads, extra_args: dict, **kwargs) -> "TrainState":
+    """`apply_gradients`, with extra arguments for ``tx.update``."""
+    updates, opt_state = self.tx.update(grads, self.opt_state, self.params,
+                                        **extra_args)
     return self.replace(step=self.step + 1,
                         params=jo.apply_updates(self.params, updates),
                         opt_state=opt_state, **kwargs)
@@ -400,17 +405,14 @@ class TrainState(flax.struct.PyTreeNode):
       grads = distributed.reduce_gradients(grads, self.axis_name, policy=self.policy)
     loss, aux = value if has_aux else (value, None)
     used_scale = self.loss_scale.loss_scale
+    measured = {}
     if stats is not None and isinstance(self.loss_scale, UnderflowAwareLossScale):
       # What this step measured of its half-precision cotangents (zero
-      # underflow on steps telemetry does not sample).
-      updates, opt_state = self.tx.update(
-          grads, self.opt_state, params=self.params,
+      # underflow on steps telemetry does not sample), for the loss scale.
+      measured = dict(
           loss_scale_underflow=jnp.where(stats.sampled, stats.cotangent_underflow, 0.0),
           loss_scale_headroom=stats.cotangent_headroom)
-      new = self.replace(step=self.step + 1, opt_state=opt_state,
-                         params=jo.apply_updates(self.params, updates))
-    else:
-      new = self.apply_gradients(grads=grads)
+    new = self._apply(grads, measured)
     info = new.loss_scale_state
     return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,
                          loss_scale=used_scale, grad_norm=info.grad_norm,
