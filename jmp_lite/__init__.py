@@ -26,7 +26,8 @@ from jmp_lite.policy import preferred_half_dtype
 # Imported on first use, so that `import jmp_lite` costs a plain-JAX user
 # little more than `import jax`: the integrations pull in Flax (Linen and NNX)
 # and optax. Submodules, and names that live in them.
-_LAZY_MODULES = ("distributed", "flax", "hardware", "optax", "telemetry", "testing", "underflow")
+_LAZY_MODULES = ("distributed", "flax", "fp8", "hardware", "optax", "telemetry",
+                 "testing", "underflow")
 _LAZY_NAMES = {
     "audit": "auditing",
     "AuditReport": "auditing",

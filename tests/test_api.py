@@ -146,6 +146,7 @@ PUBLIC_MODULES = {
     "distributed": {"collectives", "Collective", "mark_varying", "reduce_gradients",
                     "is_replicated_everywhere", "AxisName"},
     "flax": {"wrap", "policy_map", "default_rules"},
+    "fp8": {"DelayedScaling", "FORMATS", "quantize", "dequantize"},
     "hardware": {"Hardware", "describe", "measure_matmuls", "CPU_FLAGS"},
     "loss_scale": {"LossScale", "NoOpLossScale", "StaticLossScale",
                    "DynamicLossScale", "all_finite", "select_tree", "AxisName"},

@@ -1,0 +1,138 @@
+"""`jmp_lite.fp8`: quantisation and delayed scaling.
+
+Oracles: Flax's own ``flax.linen.fp8_ops`` (``quantize``, ``dequantize``,
+``quantize_dequantize_update``: the JAX reference of delayed scaling, which
+cites Transformer Engine's ``update_fp8_metas``), ``ml_dtypes`` rounding
+through NumPy for the formats, and a plain-NumPy transcription of the
+history update for the options Flax does not have (``most_recent``, a
+margin).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax.linen import fp8_ops
+
+from jmp_lite import fp8
+
+FORMATS = [("e4m3", jnp.float8_e4m3fn), ("e5m2", jnp.float8_e5m2)]
+
+
+def _sequence(seed, n=40, size=64):
+  """Tensors whose range jumps: zeros, spikes, an inf, ordinary steps."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    x = rng.normal(size=size) * 10.0 ** rng.integers(-3, 4)
+    if i == 5:
+      x[:] = 0.0
+    if i == 11:
+      x[3] = 1e6
+    if i == 17:
+      x[0] = np.inf
+    out.append(jnp.asarray(x, jnp.float32))
+  return out
+
+
+@pytest.mark.parametrize("name, dtype", FORMATS)
+def test_quantize_and_dequantize_are_flaxs(name, dtype):
+  x = _sequence(0, n=1, size=4096)[0] * 300
+  for scale in (jnp.float32(1.0), jnp.float32(0.37), jnp.float32(1024.0)):
+    ours = fp8.dequantize(fp8.quantize(x, name, scale), scale, jnp.float32)
+    theirs = fp8_ops.dequantize(fp8_ops.quantize(x, dtype, scale, jnp.float32),
+                                jnp.float32, scale)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert fp8.quantize(x, name, scale).dtype == np.dtype(dtype)
+
+
+@pytest.mark.parametrize("name, dtype", FORMATS)
+def test_round_trip_is_ml_dtypes_rounding_with_saturation(name, dtype):
+  info = ml_dtypes.finfo(dtype)
+  x = np.concatenate([np.linspace(-2 * float(info.max), 2 * float(info.max), 2001),
+                      np.geomspace(float(info.smallest_subnormal) / 4, 1.0, 500)])
+  x = x.astype(np.float32)
+  got = np.asarray(fp8.dequantize(fp8.quantize(jnp.asarray(x), name, jnp.float32(1)),
+                                  jnp.float32(1), jnp.float32))
+  want = np.clip(x, -float(info.max), float(info.max)).astype(dtype).astype(np.float32)
+  np.testing.assert_array_equal(got, want)
+  inside = np.abs(x) <= float(info.max)
+  normal = inside & (np.abs(x) >= float(info.smallest_normal))
+  # Round to nearest: half an ulp, 2**-(mantissa bits + 1) relative.
+  rel = np.abs(got[normal] - x[normal]) / np.abs(x[normal])
+  assert rel.max() <= 2.0 ** -(info.nmant + 1)
+
+
+@pytest.mark.parametrize("name, dtype", FORMATS)
+def test_delayed_scaling_matches_flax_over_a_sequence(name, dtype):
+  meta = fp8.DelayedScaling.create(name, history_length=8)
+  scale, history = jnp.float32(1.0), jnp.zeros(8, jnp.float32)
+  step = jax.jit(lambda m, x: m.qdq(x))
+  for x in _sequence(1):
+    y, meta = step(meta, x)
+    want, scale, history = fp8_ops.quantize_dequantize_update(
+        x, dtype, scale, history, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(meta.scale), np.asarray(scale))
+    np.testing.assert_array_equal(np.asarray(meta.amax_history), np.asarray(history))
+
+
+def _numpy_reference(xs, *, top, length, margin, algorithm):
+  """The history and scale update, in NumPy: [(scale used, history after)]."""
+  history, scale, out = np.zeros(length, np.float32), np.float32(1.0), []
+  for x in xs:
+    amax = history.max() if algorithm == "max" else history[0]
+    if amax > 0 and np.isfinite(amax):
+      scale = np.float32(1.0 / (np.float32(top) / amax / np.float32(2.0 ** margin)))
+    history = np.concatenate([[np.abs(x).max()], history[2:], history[:1]]) \
+        if length > 1 else np.array([np.abs(x).max()], np.float32)
+    out.append((scale, history.astype(np.float32)))
+  return out
+
+
+@pytest.mark.parametrize("algorithm", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize("length", [1, 5])
+def test_history_options_match_numpy(algorithm, margin, length):
+  xs = _sequence(2, n=25)
+  meta = fp8.DelayedScaling.create("e5m2", history_length=length, margin=margin,
+                                   algorithm=algorithm)
+  step = jax.jit(lambda m, x: m.qdq(x))
+  top = float(ml_dtypes.finfo(jnp.float8_e5m2).max)
+  for x, (scale, history) in zip(xs, _numpy_reference(
+      [np.asarray(x) for x in xs], top=top, length=length, margin=margin,
+      algorithm=algorithm)):
+    _, meta = step(meta, x)
+    np.testing.assert_allclose(float(meta.scale), scale, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(meta.amax_history), history)
+
+
+def test_the_state_is_a_pytree_with_static_options_and_compiles_once():
+  meta = fp8.DelayedScaling.create("e4m3", history_length=16, margin=1)
+  leaves, treedef = jax.tree_util.tree_flatten(meta)
+  assert [leaf.dtype for leaf in leaves] == [jnp.float32, jnp.float32]
+  assert [leaf.shape for leaf in leaves] == [(16,), ()]
+  traces = []
+
+  @jax.jit
+  def step(m, x):
+    traces.append(1)
+    return m.qdq(x)
+
+  for x in _sequence(3, n=5):
+    _, meta = step(meta, x)
+  assert len(traces) == 1
+  assert jax.tree_util.tree_structure(meta) == treedef
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(dtype="e3m4"), ValueError, "fp8 format"),
+    (dict(dtype=jnp.float16), ValueError, "fp8 format"),
+    (dict(history_length=0), ValueError, "history_length"),
+    (dict(margin=-1), ValueError, "margin"),
+    (dict(algorithm="mean"), ValueError, "algorithm"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    fp8.DelayedScaling.create(**kwargs)
