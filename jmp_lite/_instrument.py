@@ -102,7 +102,7 @@ class _Planner:
         continue
       if self.mode == "ops" and not _is_higher_order(eqn):
         for j, v in enumerate(eqn.outvars):
-          if _floating(v.aval) and v.aval.size:
+          if _dtypes.is_floating(v.aval) and v.aval.size:
             self.point(plan, (i, j), _clean(where), v.aval)
     return plan
 
@@ -121,21 +121,26 @@ def _is_higher_order(eqn) -> bool:
              or _internals.is_wrapped_fun(v) for v in eqn.params.values())
 
 
-def _floating(aval) -> bool:
-  return hasattr(aval, "dtype") and bool(jnp.issubdtype(aval.dtype, jnp.floating))
-
-
 def _join(prefix: str, stack: str) -> str:
   return "/".join(p for p in (prefix, stack) if p)
 
 
-def _clean(path: str) -> str:
-  """A name-stack path with nested wrappers' repeats and wrap's own frame removed."""
+def collapse(path: str) -> str:
+  """A name-stack path with the repeats nested wrappers make collapsed.
+
+  Flax names a module's scope twice (``Dense_0/Dense_0``), and wrap's own
+  frame adds ``module`` once more.
+  """
   parts = [p for p in path.split("/") if p]
-  parts = [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]]
-  if parts[:2] == ["_LinenWrapper", "module"]:
-    parts = parts[2:]
-  return "/".join(parts)
+  return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
+
+
+def _clean(path: str) -> str:
+  """`collapse`, with wrap's own frame removed: paths as wrap's rules see them."""
+  path = collapse(path)
+  prefix = "_LinenWrapper/module"
+  return path[len(prefix) + 1:] if path.startswith(prefix + "/") else (
+      "" if path == prefix else path)
 
 
 def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:

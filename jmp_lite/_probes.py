@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _replicas
+from jmp_lite._dtypes import is_floating
 
 TAP_PREFIX = "jmp_lite_tap_"
 # Per measured value: largest finite |x|, non-finite count, non-zero finite
@@ -78,7 +79,7 @@ def tap(tree: Any, path: str, view=None) -> Any:
   if paths is None:
     return tree
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  where = [i for i, x in enumerate(leaves) if _is_floating(x)]
+  where = [i for i, x in enumerate(leaves) if is_floating(x)]
   if not where:
     return tree
   # Each value's dtype as marked: `jmp_lite._sink` may widen the mark's
@@ -105,10 +106,6 @@ def tap_index(eqn) -> Optional[int]:
   if not name.startswith(TAP_PREFIX):
     return None
   return int(name[len(TAP_PREFIX):])
-
-
-def _is_floating(x) -> bool:
-  return hasattr(x, "dtype") and bool(jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def thresholds(dtype, what_if: Sequence[Any]) -> tuple[float, ...]:
@@ -147,9 +144,9 @@ def probe(x: jax.Array, carrier: jax.Array, tinies: tuple[float, ...],
   returned as its cotangent. ``view``: see `tap`.
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
-  if gate is None:
-    return _probe(x, carrier, tinies, axes, view)
-  return _gated_probe(x, carrier, gate, tinies, axes, view)
+  gated = gate is not None
+  return _probe(x, carrier, gate if gated else jnp.float32(1), tinies, axes, view,
+                gated)
 
 
 def _varying(stats, axes):
@@ -158,52 +155,33 @@ def _varying(stats, axes):
   return jax.lax.pcast(stats, missing, to="varying") if missing else stats
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _probe(x, carrier, tinies, axes, view):
-  del carrier, tinies, axes, view
-  return x
+def _measure(x, gate, tinies, view, gated):
+  if not gated:
+    return statistics(x, tinies, view)
 
-
-def _probe_fwd(x, carrier, tinies, axes, view):
-  del carrier, axes
-  return x, statistics(x, tinies, view)
-
-
-def _probe_bwd(tinies, axes, view, forward, g):
-  del view
-  return g, _varying(jnp.concatenate([forward, statistics(g, tinies)]), axes)
-
-
-_probe.defvjp(_probe_fwd, _probe_bwd)
-
-
-def _when(gate, x, tinies, view=None):
   def skip(v):
     zeros = jnp.zeros(BASE_STATS + len(tinies), jnp.float32)
     return _varying(zeros, tuple(sorted(_replicas.varying_axes(v))))
+
   return jax.lax.cond(gate > 0, lambda v: statistics(v, tinies, view), skip, x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _gated_probe(x, carrier, gate, tinies, axes, view):
-  del carrier, gate, tinies, axes, view
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _probe(x, carrier, gate, tinies, axes, view, gated):
+  del carrier, gate, tinies, axes, view, gated
   return x
 
 
-def _gated_fwd(x, carrier, gate, tinies, axes, view):
+def _probe_fwd(x, carrier, gate, tinies, axes, view, gated):
   del carrier, axes
-  return x, (_when(gate, x, tinies, view), gate)
+  return x, (_measure(x, gate, tinies, view, gated), gate)
 
 
-def _gated_bwd(tinies, axes, view, res, g):
+def _probe_bwd(tinies, axes, view, gated, res, g):
   del view
   forward, gate = res
-  stats = jnp.concatenate([forward, _when(gate, g, tinies)])
+  stats = jnp.concatenate([forward, _measure(g, gate, tinies, None, gated)])
   return g, _varying(stats, axes), jnp.zeros_like(gate)
 
 
-_gated_probe.defvjp(_gated_fwd, _gated_bwd)
-
-
-def dtype_name(dtype) -> str:
-  return np.dtype(dtype).name
+_probe.defvjp(_probe_fwd, _probe_bwd)

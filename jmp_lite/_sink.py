@@ -11,7 +11,9 @@ dtype, whatever the policy's ``reduce_dtype`` says.
 
 A downcast value passed into a ``jit`` call (``jnp.take`` is one) is passed
 wide instead, and downcast at the top of the call's body, where the same
-rewrite continues.
+rewrite continues. A call that only returns its arguments (a telemetry
+mark) is passed the wide value and downcast after it, where the rewrite
+continues outside.
 
 Elementwise ops broadcast size-1 dimensions themselves (``h + b[None]``) and
 sum them back in their transpose, in their dtype: a downcast operand that
@@ -32,7 +34,6 @@ from jax import lax
 
 from jmp_lite import _dtypes
 from jmp_lite import _internals
-from jmp_lite import _probes
 
 # Ops whose result is a selection or a copy of their first operand's values,
 # whatever its dtype: the other operands (a gather's indices) are integers,
@@ -100,13 +101,14 @@ def sink(eqns: list) -> list:
         _internals.rewire(eqn, outer, eqn.outvars), eqn.primitive,
         dict(eqn.params, jaxpr=_internals.closed(body, closed.consts)))
 
-  def through_tap(eqn):
-    """A telemetry mark (`_probes.tap`, an identity ``jit``) of downcast values.
+  def through_identity(eqn):
+    """A ``jit`` call that returns its arguments (a telemetry mark,
+    `_probes.tap`) passed downcast values.
 
-    The mark takes the wide values and the downcasts follow it, so that the
-    moves after it still see them: marking a value must not change the
-    step. The mark still reports the values in their narrow dtype (it
-    recorded that dtype when it was made).
+    It takes the wide values and the downcasts follow it, so that the moves
+    after it still see them: marking a value must not change the step (a
+    mark reports in the dtype it was made in). Moving the downcast into the
+    body instead, as for other calls, would leave it before those moves.
     """
     closed = eqn.params["jaxpr"]
     inner = closed.jaxpr
@@ -137,7 +139,7 @@ def sink(eqns: list) -> list:
   for eqn in eqns:
     name = eqn.primitive.name
     if name in CALLS:
-      if _probes.tap_index(eqn) is not None and through_tap(eqn):
+      if through_identity(eqn):
         continue
       out.append(into_call(eqn))
       continue

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _dtypes
+from jmp_lite import _instrument
 from jmp_lite import _internals
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite.policy import Policy, get_policy
@@ -100,13 +102,7 @@ class Calibration:
 
 def _scope(eqn) -> str:
   """The eqn's name-stack path, with the repeats nested wrappers make collapsed."""
-  parts = [p for p in str(eqn.source_info.name_stack).split("/") if p]
-  out = [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]]
-  return "/".join(out)
-
-
-def _floating(aval) -> bool:
-  return jnp.issubdtype(aval.dtype, jnp.floating)
+  return _instrument.collapse(str(eqn.source_info.name_stack))
 
 
 def calibrate(
@@ -168,7 +164,7 @@ def calibrate(
   # Every floating output of every equation gets a zero added to it: the
   # gradient with respect to that zero is the value's cotangent.
   points = [(i, j, v.aval) for i, eqn in enumerate(jaxpr.eqns)
-            for j, v in enumerate(eqn.outvars) if _floating(v.aval)]
+            for j, v in enumerate(eqn.outvars) if _dtypes.is_floating(v.aval)]
   where = {(i, j): k for k, (i, j, _) in enumerate(points)}
   zeros = [jnp.zeros(aval.shape, aval.dtype) for _, _, aval in points]
   flat_in = jax.tree_util.tree_leaves((params, args, kwargs))

@@ -51,6 +51,7 @@ import numpy as np
 
 from jmp_lite import _probes
 from jmp_lite import _struct
+from jmp_lite.policy import dtype_to_names
 from jmp_lite.policy import parse_dtype
 
 __all__ = ("ModuleStats", "PrecisionStats", "Telemetry", "tap")
@@ -223,7 +224,6 @@ class PrecisionStats:
 
 
 def _short(dtype_name: str) -> str:
-  from jmp_lite.policy import dtype_to_names  # pylint: disable=g-import-not-at-top
   names = dtype_to_names.get(np.dtype(dtype_name), ())
   return min(names, key=len) if names else dtype_name
 
