@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmp_lite import _fp8_sites
 from jmp_lite._dtypes import is_narrow_float
 from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
@@ -149,6 +151,20 @@ def needs_rewrite(rules: Rules) -> bool:
   policies = [rules.policy, *(p for _, p in rules.classes),
               *(p for _, _, p in rules.paths)]
   return any(is_narrow_float(p.compute_dtype) for p in policies)
+
+
+def has_fp8(rules: Rules) -> bool:
+  """Whether any policy of ``rules`` runs matmuls in fp8."""
+  policies = [rules.policy, *(p for _, p in rules.classes),
+              *(p for _, _, p in rules.paths)]
+  return any(p.fp8 is not None for p in policies)
+
+
+def fp8_scope(rules: Rules, policy: Policy, path: str):
+  """The name scope that tells the step which matmuls are fp8 (or a no-op)."""
+  if not has_fp8(rules):
+    return contextlib.nullcontext()
+  return jax.named_scope(_fp8_sites.mark(policy.fp8, path))
 
 
 def keep_carry(args, out):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -29,9 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _dtypes
+from jmp_lite import _fp8_sites
 from jmp_lite import _internals
 from jmp_lite import _probes
 from jmp_lite import _replicas
+from jmp_lite import fp8 as fp8_lib
+from jmp_lite import policy as policy_lib
 from jmp_lite import telemetry as telemetry_lib
 
 _NESTED = ("scan", "remat2", "jit", "pjit", "cond")
@@ -44,9 +48,12 @@ class Point:
   dtype: str
   tinies: tuple[float, ...]
   view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
+  recipe: Optional[tuple[str, str]] = None  # an fp8 matmul site's formats
 
   @property
   def width(self) -> int:
+    if self.recipe is not None:
+      return _fp8_sites.WIDTH
     return _probes.width(len(self.tinies))
 
 
@@ -69,10 +76,12 @@ class Plan:
 class _Planner:
   """Builds plans: which values are probed, and their paths."""
 
-  def __init__(self, mode: str, tap_paths: Sequence[str], what_if):
+  def __init__(self, mode: Optional[str], tap_paths: Sequence[str], what_if,
+               fp8: Optional["Fp8Selection"] = None):
     self.mode = mode
     self.tap_paths = tap_paths
     self.what_if = tuple(what_if)
+    self.fp8 = fp8
 
   def point(self, plan, key, path, aval, view=None):
     dtype = np.dtype(aval.dtype if view is None else view)
@@ -93,6 +102,11 @@ class _Planner:
             path, views = self.tap_paths[k]
             self.point(plan, (i, j), path, v.aval, views[j])
         continue
+      recipe, site = self.fp8.choose(eqn, where) if self.fp8 else (None, "")
+      if recipe is not None:
+        point = Point(plan.size, site, "fp8", (), recipe=recipe)
+        plan.points.setdefault(i, []).append((None, point))
+        plan.size += point.width
       children = self.children(eqn, where)
       if children is not None:
         if any(c.size for c in children):
@@ -114,6 +128,39 @@ class _Planner:
       return [self.plan(b.jaxpr, where) for b in eqn.params["branches"]]
     body = eqn.params["jaxpr"]
     return [self.plan(getattr(body, "jaxpr", body), where)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Selection:
+  """Which matmuls a step runs in fp8 (`jmp_lite.fp8.Fp8State.select`).
+
+  ``select`` None: those inside wrap's fp8 marks (the innermost mark decides,
+  so a module with another policy inside an fp8 module is not fp8). Else a
+  regular expression on the matmul's name-scope path, every match with
+  ``recipe``.
+  """
+  select: Optional[str] = None
+  recipe: str = "hybrid"
+
+  def choose(self, eqn, where: str) -> tuple[Optional[tuple[str, str]], str]:
+    if eqn.primitive.name not in ("dot_general", "jmp_dot_general"):
+      return None, ""
+    if not all(_dtypes.is_floating(v.aval) and v.aval.dtype.itemsize > 1
+               for v in eqn.invars):
+      return None, ""  # integer products, or operands already fp8
+    parts = [p for p in where.split("/") if p]
+    marks = [p for p in parts if p.startswith(_fp8_sites.MARK)]
+    path = _clean("/".join(p for p in parts if not p.startswith(_fp8_sites.MARK)))
+    if self.select is not None:
+      if re.fullmatch(self.select, path) is None:
+        return None, ""
+      return policy_lib.FP8_RECIPES[self.recipe], path
+    if not marks:
+      return None, ""
+    recipe, _, module = marks[-1][len(_fp8_sites.MARK) + 1:].partition("@")
+    if recipe not in policy_lib.FP8_RECIPES:
+      return None, ""
+    return policy_lib.FP8_RECIPES[recipe], module.replace(".", "/")
 
 
 def _is_higher_order(eqn) -> bool:
@@ -157,8 +204,16 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
     if nested is not None:
       return _nested(eqn, invals, carrier, nested, gate)
     points = plan.points.get(i, ())
-    # A mark is bound as it is: JAX may have moved a cast into its body.
-    outs = _internals.bind(eqn, invals)
+    site = next((p for j, p in points if p.recipe is not None), None)
+    if site is not None:
+      lhs, rhs = invals
+      outs = _fp8_sites.matmul(lambda a, b: _internals.bind(eqn, [a, b]), lhs, rhs,
+                               carrier[site.offset:site.offset + site.width],
+                               *(fp8_lib.FORMATS[f] for f in site.recipe))
+    else:
+      # A mark is bound as it is: JAX may have moved a cast into its body.
+      outs = _internals.bind(eqn, invals)
+    points = [(j, p) for j, p in points if p.recipe is None]
     if not points:
       return outs
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
@@ -212,16 +267,16 @@ def _branch(closed, plan, carrier, gate, *ops):
   return interpret(closed.jaxpr, closed.consts, list(ops), carrier, plan, gate)
 
 
-def decode(vector: jax.Array, plan: Plan) -> list[tuple[str, str, jax.Array]]:
-  """Per probe, in forward order: ``(path, dtype, stats)``; scans add leading axes."""
+def decode(vector: jax.Array, plan: Plan) -> list[tuple[Point, jax.Array]]:
+  """Per point, in forward order: ``(point, its slice)``; scans add leading axes."""
   out = []
-  items = sorted([(i, j, "p", v) for i, ps in plan.points.items() for j, v in ps]
+  items = sorted([(i, -1 if j is None else j, "p", v)
+                  for i, ps in plan.points.items() for j, v in ps]
                  + [(i, 0, "n", v) for i, v in plan.nested.items()],
                  key=lambda t: (t[0], t[1]))
   for _, _, kind, item in items:
     if kind == "p":
-      out.append((item.path, item.dtype,
-                  vector[..., item.offset:item.offset + item.width]))
+      out.append((item, vector[..., item.offset:item.offset + item.width]))
       continue
     sizes = [c.size for c in item.children]
     region = vector[..., item.offset:item.offset + item.length * sum(sizes)]
@@ -234,32 +289,70 @@ def decode(vector: jax.Array, plan: Plan) -> list[tuple[str, str, jax.Array]]:
   return out
 
 
-def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
-                   mode: str, what_if: Sequence[Any]) -> Callable[..., Any]:
-  """``jax.value_and_grad(fun, argnums, has_aux=True)`` plus per-probe statistics.
+def _trace(fun, args, kwargs, planner: "_Planner"):
+  """``fun`` traced once with marks active: its jaxpr, its plan, how to call it."""
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  traced = [i for i, x in enumerate(leaves)
+            if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+  out_tree = {}
 
-  Returns ``g(gate, *args, **kwargs) -> ((value, aux), grads), rows`` with
-  ``rows`` as `decode` returns them (arrays computed in the same pass);
-  ``gate`` as `interpret` takes it.
+  def flat_fun(*dynamic):
+    full = list(leaves)
+    for i, x in zip(traced, dynamic):
+      full[i] = x
+    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    out, out_tree["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
+    return out
+
+  with _probes.tapping() as paths:
+    closed = jax.make_jaxpr(flat_fun)(*(leaves[i] for i in traced))
+  planner.tap_paths = list(paths)
+  return closed, planner.plan(closed.jaxpr, ""), traced, out_tree
+
+
+def sites(plan: Plan) -> list[tuple[str, Point, np.ndarray]]:
+  """The fp8 matmul sites of ``plan``: name, point and carrier indices ``[..., 3]``.
+
+  Named by module path (or name-scope path), with ``#2``, ``#3``... for a
+  path's later matmuls, in forward order.
+  """
+  out, seen = [], set()
+  for point, idx in decode(np.arange(plan.size), plan):
+    if point.recipe is None:
+      continue
+    base = point.path or "dot_general"
+    name, n = base, 1
+    while name in seen:
+      n += 1
+      name = f"{base}#{n}"
+    seen.add(name)
+    out.append((name, point, idx))
+  return out
+
+
+def fp8_sites(fun, args, kwargs, fp8: Fp8Selection) -> list[tuple[str, tuple, tuple]]:
+  """``(name, leading shape, recipe)`` of each fp8 matmul ``fun(*args)`` makes."""
+  _, plan, _, _ = _trace(fun, args, kwargs, _Planner(None, (), (), fp8))
+  return [(name, idx.shape[:-1], p.recipe) for name, p, idx in sites(plan)]
+
+
+def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
+                   mode: Optional[str] = None, what_if: Sequence[Any] = (),
+                   fp8: Optional[Fp8Selection] = None) -> Callable[..., Any]:
+  """``jax.value_and_grad(fun, argnums, has_aux=True)`` with probes and fp8 sites.
+
+  Returns ``g(gate, fp8_state, *args, **kwargs) -> ((value, aux), grads),
+  rows, amax``: ``rows`` the probes' ``(path, dtype, stats)`` in forward
+  order (``mode`` None: no probes), ``amax`` each fp8 site's ``[..., 3]``
+  absolute maxima, quantised with ``fp8_state``'s scales (``fp8`` None: no
+  sites, ``{}``); all computed in the same pass. ``gate`` as `interpret`
+  takes it.
   """
 
-  def g(gate, *args, **kwargs):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    traced = [i for i, x in enumerate(leaves)
-              if isinstance(x, (jax.Array, np.ndarray, np.generic))]
-    out_tree = {}
-
-    def flat_fun(*dynamic):
-      full = list(leaves)
-      for i, x in zip(traced, dynamic):
-        full[i] = x
-      a, k = jax.tree_util.tree_unflatten(treedef, full)
-      out, out_tree["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
-      return out
-
-    with _probes.tapping() as paths:
-      closed = jax.make_jaxpr(flat_fun)(*(leaves[i] for i in traced))
-    plan = _Planner(mode, list(paths), what_if).plan(closed.jaxpr, "")
+  def g(gate, fp8_state, *args, **kwargs):
+    closed, plan, traced, out_tree = _trace(fun, args, kwargs,
+                                            _Planner(mode, (), what_if, fp8))
+    slots = sites(plan)
 
     def probed(carrier, *args, **kwargs):
       now = jax.tree_util.tree_leaves((args, kwargs))
@@ -270,15 +363,38 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
 
     shifted = tuple(a + 1 for a in argnums)
     carrier = jnp.zeros((plan.size,), jnp.float32)
+    if slots:
+      scales = _check_state(fp8_state, slots)
+      carrier = carrier.at[np.concatenate([i.ravel() for _, _, i in slots])].set(
+          jnp.concatenate([scales[name].ravel() for name, _, _ in slots]))
     if _replicas.manual_axes() and _replicas.tracks_varying(_replicas.manual_axes()):
       # Per-device statistics: a carrier varying over every manual axis
       # takes them without the sum a replicated input's gradient gets.
       carrier = jax.lax.pcast(carrier, _replicas.manual_axes(), to="varying")
     (value, aux), grads = jax.value_and_grad(probed, argnums=(0, *shifted),
                                              has_aux=True)(carrier, *args, **kwargs)
-    return ((value, aux), tuple(grads[1:])), decode(grads[0], plan)
+    rows = [(p.path, p.dtype, a) for p, a in decode(grads[0], plan) if p.recipe is None]
+    amax = {name: grads[0][idx] for name, _, idx in slots}
+    return ((value, aux), tuple(grads[1:])), rows, amax
 
   return g
+
+
+def _check_state(state, slots) -> dict:
+  """The scales of ``state``, checked against the sites the trace found."""
+  if not isinstance(state, fp8_lib.Fp8State):
+    raise TypeError(f"expected a jmp_lite.fp8.Fp8State, got {type(state).__name__}")
+  fp8_lib._same_sites(state.sites, {name: None for name, _, _ in slots})
+  for name, point, idx in slots:
+    meta = state.sites[name]
+    formats = (meta.lhs.dtype, meta.grad.dtype)
+    want = tuple(fp8_lib.FORMATS[f] for f in point.recipe)
+    if formats != want or meta.lhs.scale.shape != idx.shape[:-1]:
+      raise ValueError(
+          f"fp8 site {name!r}: the state has formats {[d.name for d in formats]} and "
+          f"rows {meta.lhs.scale.shape}, the step {[d.name for d in want]} and "
+          f"{idx.shape[:-1]}. Make the state with jmp_lite.fp8.init on this step.")
+  return state.scales()
 
 
 # Statistics from the carrier's cotangent ----------------------------------------

@@ -22,6 +22,7 @@ from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import dtype_overrides
 from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
+from jmp_lite._flax_rules import fp8_scope
 from jmp_lite._flax_rules import path_str
 from jmp_lite.policy import Policy
 
@@ -40,7 +41,8 @@ def _casting_class(cls: type) -> type:
     args, kwargs = policy.cast_to_compute((args, kwargs))
     stack.append(policy)
     try:
-      out = cls.__call__(self, *args, **kwargs)
+      with self._jmp_lite_fp8_scope():
+        out = cls.__call__(self, *args, **kwargs)
     finally:
       stack.pop()
     out = _probes.tap(out, self._jmp_lite_path)  # in a telemetry trace only
@@ -125,6 +127,8 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
       object.__setattr__(node, "_jmp_lite_policy", policy)
       object.__setattr__(node, "_jmp_lite_stack", stack)
       object.__setattr__(node, "_jmp_lite_path", path_str(path))
+      object.__setattr__(node, "_jmp_lite_fp8_scope", functools.partial(
+          fp8_scope, rules, policy, path_str(path)))
       if type(node).__call__ is not nnx.Module.__call__:
         object.__setattr__(node, "__class__", _casting_class(type(node)))
   out = copy(*args, **kwargs)

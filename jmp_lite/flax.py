@@ -89,6 +89,7 @@ from jmp_lite import _probes
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import default_rules
 from jmp_lite._flax_rules import dtype_overrides
+from jmp_lite._flax_rules import fp8_scope
 from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
 from jmp_lite._flax_rules import path_str
@@ -172,7 +173,8 @@ class _LinenInterceptor:
         # embedding, nn.RNN's cell) stays the model's, where its variables are.
         clone = module.clone(parent=_PolicyScope(module.scope, policy, path),
                              _deep_clone=False, **self.dtypes(module, policy))
-        out = getattr(clone, context.method_name)(*args, **kwargs)
+        with fp8_scope(self.rules, policy, path):
+          out = getattr(clone, context.method_name)(*args, **kwargs)
     finally:
       self.stack.pop()
     # In a telemetry trace: the module's output as it computed it.

@@ -16,7 +16,7 @@ and the per-tensor state. It is checked bitwise against Flax's own
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,8 @@ import numpy as np
 
 from jmp_lite import _struct
 
-__all__ = ("DelayedScaling", "FORMATS", "quantize", "dequantize")
+__all__ = ("DelayedScaling", "FORMATS", "Fp8State", "MatmulMeta", "dequantize",
+           "init", "qdq", "quantize", "restore")
 
 # The formats of the "hybrid" recipe: e4m3 (more precision) for forward
 # values, e5m2 (more range) for gradients.
@@ -66,6 +67,14 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array,
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   """``q * scale`` in ``dtype``."""
   return q.astype(dtype) * scale.astype(dtype)
+
+
+def qdq(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
+  """``x`` quantised to ``dtype`` and read back, in ``x``'s dtype.
+
+  Flax's ``fp8_ops.qdq`` with the compute dtype being ``x``'s own.
+  """
+  return dequantize(quantize(x, dtype, scale), scale, x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +135,8 @@ class DelayedScaling:
     is zero (nothing seen yet) or not finite (Flax's ``compute_scale``, TE's
     ``update_fp8_metas``).
     """
-    amax = (jnp.max(self.amax_history) if self.algorithm == "max"
-            else self.amax_history[0])
+    amax = (jnp.max(self.amax_history, axis=-1) if self.algorithm == "max"
+            else self.amax_history[..., 0])
     top = jnp.float32(jnp.finfo(self.dtype).max)
     inverse = 1.0 / self.scale
     sf = (top / amax) / (2.0 ** self.margin)
@@ -144,8 +153,334 @@ class DelayedScaling:
     scale = self.next_scale()
     y = dequantize(quantize(x, self.dtype, scale, compute_dtype), scale, x.dtype)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    history = jnp.roll(self.amax_history, -1).at[0].set(amax)
-    return y, _struct.replace_fields(self, amax_history=history, scale=scale)
+    return y, _struct.replace_fields(self, amax_history=_roll_in(self.amax_history, amax),
+                                     scale=scale)
+
+  def update(self, amax: jax.Array) -> "DelayedScaling":
+    """``amax`` (this step's absolute maximum) recorded, and the next scale.
+
+    The scale the next step quantises with is `next_scale` of the history
+    that includes ``amax``: the scale `qdq` would use on the next step.
+    A non-finite ``amax`` (an overflowing step's gradient) is recorded as 0,
+    "nothing seen": under the ``"max"`` algorithm Flax and Transformer
+    Engine keep an inf for ``history_length`` steps and freeze the scale that
+    long.
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
+    new = _struct.replace_fields(self, amax_history=_roll_in(self.amax_history, amax))
+    return _struct.replace_fields(new, scale=new.next_scale())
+
+
+def _roll_in(history: jax.Array, amax: jax.Array) -> jax.Array:
+  """Flax's ``compute_amax_history`` along the last axis (leading axes: layers)."""
+  return jnp.roll(history, -1, axis=-1).at[..., 0].set(amax)
 
 
 _struct.register_state(DelayedScaling)
+
+
+# The state of a step's fp8 matmuls -------------------------------------------------
+
+SCHEMA_VERSION = 1
+@dataclasses.dataclass(frozen=True)
+class MatmulMeta:
+  """One fp8 matmul's metadata: its operands' and its output gradient's.
+
+  In a scanned stack each field has a leading axis per scan (a row per
+  layer).
+
+  Args:
+    lhs, rhs: the operands' `DelayedScaling`.
+    grad: the output cotangent's `DelayedScaling`.
+    observed: float32 ``[..., 3]``: the largest lhs, rhs and gradient
+      absolute maxima seen since the last `commit` (micro-batches and
+      devices are reduced into it by maximum).
+  """
+
+  lhs: DelayedScaling
+  rhs: DelayedScaling
+  grad: DelayedScaling
+  observed: jax.Array
+
+  @classmethod
+  def create(cls, shape: tuple[int, ...] = (), recipe: tuple[Any, Any] = ("e4m3", "e5m2"),
+             *, history_length: int = 1024, margin: int = 0,
+             algorithm: str = "max") -> "MatmulMeta":
+    """Fresh metadata for a site with leading ``shape`` (one row per layer).
+
+    ``recipe``: the operands' and the gradient's fp8 formats.
+    """
+    def one(dtype):
+      d = DelayedScaling.create(dtype, history_length=history_length, margin=margin,
+                                algorithm=algorithm)
+      return _struct.replace_fields(
+          d, amax_history=jnp.zeros((*shape, history_length), jnp.float32),
+          scale=jnp.ones(shape, jnp.float32))
+
+    forward, backward = recipe
+    return cls(lhs=one(forward), rhs=one(forward), grad=one(backward),
+               observed=jnp.zeros((*shape, 3), jnp.float32))
+
+  def scales(self) -> jax.Array:
+    """float32 ``[..., 3]``: the lhs, rhs and gradient scales to quantise with."""
+    return jnp.stack([self.lhs.scale, self.rhs.scale, self.grad.scale], axis=-1)
+
+  def observe(self, amax: jax.Array) -> "MatmulMeta":
+    """``amax`` (``[..., 3]``) max-reduced into `observed`; non-finite ones as 0."""
+    amax = jnp.where(jnp.isfinite(amax), amax, 0.0).astype(jnp.float32)
+    return _struct.replace_fields(self, observed=jnp.maximum(self.observed, amax))
+
+  def commit(self) -> "MatmulMeta":
+    """`observed` recorded in each history (`DelayedScaling.update`), then reset."""
+    o = self.observed
+    return MatmulMeta(lhs=self.lhs.update(o[..., 0]), rhs=self.rhs.update(o[..., 1]),
+                      grad=self.grad.update(o[..., 2]), observed=jnp.zeros_like(o))
+
+  def rescale_gradient(self, factor: jax.Array) -> "MatmulMeta":
+    """The gradient's history and scale times ``factor``.
+
+    Cotangents carry the loss scale: when it changes by ``factor`` the next
+    step's gradient amax does too, and a history of the old ones would give
+    a scale ``factor`` off for up to ``history_length`` steps (too coarse
+    after a backoff, saturating after a growth).
+    """
+    factor = jnp.asarray(factor, jnp.float32)
+    grad = _struct.replace_fields(self.grad, amax_history=self.grad.amax_history * factor,
+                                  scale=self.grad.scale * factor)
+    return _struct.replace_fields(self, grad=grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8State:
+  """The fp8 metadata of every fp8 matmul of a step, keyed by site name.
+
+  Made by `init`, kept beside the loss scale (`jmp_lite.optax.with_loss_scale`
+  ``fp8=``, `jmp_lite.TrainState.create` ``fp8=``), and read by the step
+  (`jmp_lite.TrainState.minimize`, `jmp_lite.value_and_grad`). It is
+  metadata, not a parameter: never unscaled, never given to the optimizer,
+  not part of the finiteness check, and reduced by maximum.
+
+  Args:
+    sites: site name -> `MatmulMeta`, in the order the forward pass meets them.
+    version: int32 scalar, the schema version. A leaf, so that checkpoints
+      record it for `restore`.
+    select, recipe: which matmuls are fp8 and, with ``select``, their
+      formats (static; see `init`).
+  """
+
+  sites: dict
+  version: jax.Array = dataclasses.field(
+      default_factory=lambda: jnp.asarray(SCHEMA_VERSION, jnp.int32))
+  select: Optional[str] = _struct.static_field(default=None)
+  recipe: str = _struct.static_field(default="hybrid")
+
+  @property
+  def history_length(self) -> int:
+    return next(iter(self.sites.values())).lhs.amax_history.shape[-1] if self.sites else 0
+
+  def scales(self) -> dict:
+    return {k: m.scales() for k, m in self.sites.items()}
+
+  def observe(self, amax: dict) -> "Fp8State":
+    """Each site's ``[..., 3]`` maxima (from one micro-batch) max-reduced in."""
+    _same_sites(self.sites, amax)
+    return _struct.replace_fields(
+        self, sites={k: m.observe(amax[k]) for k, m in self.sites.items()})
+
+  def commit(self) -> "Fp8State":
+    return _struct.replace_fields(
+        self, sites={k: m.commit() for k, m in self.sites.items()})
+
+  def rescale_gradients(self, factor: jax.Array) -> "Fp8State":
+    return _struct.replace_fields(
+        self, sites={k: m.rescale_gradient(factor) for k, m in self.sites.items()})
+
+
+def _same_sites(sites: dict, other: dict) -> None:
+  if set(sites) != set(other):
+    missing = sorted(set(sites) - set(other))
+    extra = sorted(set(other) - set(sites))
+    raise ValueError(
+        "The step's fp8 matmuls are not those of its fp8 state: "
+        f"{'missing ' + str(missing) if missing else ''}"
+        f"{'; ' if missing and extra else ''}{'new ' + str(extra) if extra else ''}. "
+        "Make the state with jmp_lite.fp8.init on the same loss function.")
+
+
+_struct.register_state(MatmulMeta)
+_struct.register_state(Fp8State)
+
+
+def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
+         policy: Any = None, select: Optional[str] = None, recipe: str = "hybrid",
+         history_length: int = 1024, margin: int = 0, algorithm: str = "max",
+         **kwargs: Any) -> Fp8State:
+  """The fp8 state of the step that differentiates ``fun(*args, **kwargs)``.
+
+  Traces ``fun`` once (abstractly, nothing runs) as `jmp_lite.TrainState.minimize`
+  and `jmp_lite.value_and_grad` will, finds its fp8 matmuls and gives each
+  fresh metadata: all-zero histories and scales of 1, a row per layer for a
+  matmul inside ``scan``.
+
+  Args:
+    fun: the loss function, as the step will be given it.
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct``s are fine).
+    argnums, has_aux, policy: as the step will be given them.
+    select: which matmuls: None for those of the modules a policy with
+      ``fp8`` governs under `jmp_lite.flax.wrap`; or a regular expression
+      matched with `re.fullmatch` against each matmul's name-scope path
+      (``jax.named_scope``, Flax module names), ``".*"`` for all.
+    recipe: with ``select``: ``"hybrid"`` (e4m3 operands, e5m2 gradients) or
+      ``"e4m3"``. Under wrap each module's policy says.
+    history_length, margin, algorithm: as for `DelayedScaling.create`.
+    **kwargs: keyword arguments of ``fun``.
+
+  Raises:
+    ValueError: if no matmul is selected, or for a bad option.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import jmp_lite
+    >>> def loss_fn(w, x):
+    ...   with jax.named_scope("mlp"):
+    ...     return jnp.mean(jnp.tanh(x @ w["a"]) @ w["b"])
+    >>> w = {"a": jnp.ones((4, 8)), "b": jnp.ones((8, 2))}
+    >>> state = jmp_lite.fp8.init(loss_fn, w, jnp.ones((3, 4)), select="mlp",
+    ...                           history_length=16)
+    >>> list(state.sites), state.history_length
+    (['mlp', 'mlp#2'], 16)
+  """
+  from jmp_lite import _instrument  # pylint: disable=import-outside-toplevel
+  from jmp_lite import training  # pylint: disable=import-outside-toplevel
+  from jmp_lite.policy import FP8_RECIPES  # pylint: disable=import-outside-toplevel
+  if recipe not in FP8_RECIPES:
+    raise ValueError(f"recipe must be one of {sorted(FP8_RECIPES)}, got {recipe!r}")
+  if select is not None and not isinstance(select, str):
+    raise TypeError(f"select must be None or a regular expression string, got {select!r}")
+  DelayedScaling.create(history_length=history_length, margin=margin,
+                        algorithm=algorithm)  # checks the options
+  found = training._fp8_sites(  # pylint: disable=protected-access
+      fun, args, kwargs, argnums=argnums, has_aux=has_aux, policy=policy,
+      selection=_instrument.Fp8Selection(select, recipe))
+  if not found:
+    raise ValueError(
+        "jmp_lite.fp8.init: no fp8 matmul in this step: " + (
+            "no module's policy has fp8 (wrap the model with a rule such as "
+            "{nn.Dense: 'p=f32,c=bf16,o=f32,fp8=hybrid'}, or pass select=)"
+            if select is None else f"no matmul's name-scope path matches {select!r}"))
+  return Fp8State(
+      sites={name: MatmulMeta.create(shape, formats, history_length=history_length,
+                                     margin=margin, algorithm=algorithm)
+             for name, shape, formats in found},
+      select=select, recipe=recipe)
+
+
+# Checkpoints --------------------------------------------------------------------
+
+
+def restore(raw: Any, target: Any) -> Any:
+  """``target`` filled from a checkpoint restored without a target.
+
+  For a checkpoint whose fp8 metadata no longer fits the state it is restored
+  into: a new history length (the newest entries are kept, in order, and a
+  longer history is padded with zeros, "nothing seen") or an older schema
+  version. ``raw`` is what ``orbax.checkpoint`` returns when restoring with no
+  target (nested dicts and lists of arrays); ``target`` is the state to
+  restore into, concrete or abstract (``jax.eval_shape``), holding
+  `Fp8State` anywhere (a `jmp_lite.TrainState`, its ``opt_state``...).
+  Every other leaf is taken as saved, checked against ``target``'s shape and
+  converted to its dtype.
+
+  Raises:
+    ValueError: a leaf missing or of another shape, a checkpoint of a newer
+      schema, or fp8 sites that differ (names or layers), naming the path.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite.fp8 as fp8
+    >>> old = fp8.Fp8State({"mlp": fp8.MatmulMeta.create(history_length=4)})
+    >>> old = old.observe({"mlp": jnp.array([1.0, 2.0, 3.0])}).commit()
+    >>> raw = {"sites": {"mlp": {"lhs": {"amax_history": old.sites["mlp"].lhs.amax_history,
+    ...                                  "scale": old.sites["mlp"].lhs.scale},
+    ...        "rhs": {"amax_history": old.sites["mlp"].rhs.amax_history,
+    ...                "scale": old.sites["mlp"].rhs.scale},
+    ...        "grad": {"amax_history": old.sites["mlp"].grad.amax_history,
+    ...                 "scale": old.sites["mlp"].grad.scale},
+    ...        "observed": old.sites["mlp"].observed}}, "version": old.version}
+    >>> new = fp8.Fp8State({"mlp": fp8.MatmulMeta.create(history_length=2)})
+    >>> fp8.restore(raw, new).sites["mlp"].grad.amax_history.tolist()
+    [3.0, 0.0]
+  """
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(
+      target, is_leaf=lambda x: isinstance(x, Fp8State))
+  out = []
+  for path, leaf in leaves:
+    node = _lookup(raw, path)
+    where = jax.tree_util.keystr(path) or "<root>"
+    out.append(_migrate(node, leaf, where) if isinstance(leaf, Fp8State)
+               else _leaf(node, leaf, where))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _lookup(raw, path):
+  node = raw
+  for i, key in enumerate(path):
+    name = (key.key if isinstance(key, jax.tree_util.DictKey) else
+            key.name if isinstance(key, jax.tree_util.GetAttrKey) else
+            key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key)
+    try:
+      node = node[name] if not isinstance(node, dict) or name in node else node[str(name)]
+    except (KeyError, IndexError, TypeError):
+      raise ValueError(f"the checkpoint has nothing at "
+                       f"{jax.tree_util.keystr(path[:i + 1])}") from None
+  return node
+
+
+def _leaf(value, like, where):
+  value = np.asarray(value)
+  if value.shape != tuple(like.shape):
+    raise ValueError(f"checkpoint leaf {where} has shape {value.shape}, the target "
+                     f"{tuple(like.shape)}")
+  return jnp.asarray(value, like.dtype)
+
+
+def _relay(history, length: int) -> np.ndarray:
+  """A history re-laid to ``length``: newest first, then from the end backwards."""
+  history = np.asarray(history, np.float32)
+  newest_first = np.concatenate([history[..., :1], history[..., :0:-1]], axis=-1)
+  keep = newest_first[..., :length]
+  pad = np.zeros((*history.shape[:-1], length - keep.shape[-1]), np.float32)
+  seq = np.concatenate([keep, pad], axis=-1)
+  return np.concatenate([seq[..., :1], seq[..., :0:-1]], axis=-1)
+
+
+def _migrate(raw, target: Fp8State, where: str) -> Fp8State:
+  if not isinstance(raw, dict) or "version" not in raw or "sites" not in raw:
+    raise ValueError(f"{where}: the checkpoint holds no jmp_lite fp8 state here")
+  version = int(np.asarray(raw["version"]))
+  if version > SCHEMA_VERSION:
+    raise ValueError(f"{where}: fp8 schema version {version} is newer than this "
+                     f"jmp_lite's ({SCHEMA_VERSION}); upgrade jmp_lite")
+  if set(raw["sites"]) != set(target.sites):
+    raise ValueError(
+        f"{where}: the checkpoint's fp8 sites {sorted(raw['sites'])} are not the "
+        f"target's {sorted(target.sites)}")
+  sites = {}
+  for name, meta in target.sites.items():
+    saved = raw["sites"][name]
+    parts = {}
+    for role in ("lhs", "rhs", "grad"):
+      like = getattr(meta, role)
+      history = np.asarray(saved[role]["amax_history"])
+      if history.shape[:-1] != like.amax_history.shape[:-1]:
+        raise ValueError(
+            f"{where}.sites[{name!r}].{role}: saved for layers {history.shape[:-1]}, "
+            f"the target has {like.amax_history.shape[:-1]}")
+      parts[role] = _struct.replace_fields(
+          like, amax_history=jnp.asarray(_relay(history, like.amax_history.shape[-1])),
+          scale=_leaf(saved[role]["scale"], like.scale, f"{where}.{name}.{role}.scale"))
+    sites[name] = MatmulMeta(**parts, observed=_leaf(
+        saved["observed"], meta.observed, f"{where}.{name}.observed"))
+  return _struct.replace_fields(target, sites=sites,
+                                version=jnp.asarray(SCHEMA_VERSION, jnp.int32))

@@ -53,6 +53,7 @@ from jmp_lite import _checks
 from jmp_lite import _replicas
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
+from jmp_lite.fp8 import Fp8State
 from jmp_lite.underflow import UnderflowAwareLossScale
 from jmp_lite._unscale import apply_updates
 from jmp_lite._dtypes import is_inexact
@@ -115,6 +116,11 @@ class LossScaleState(NamedTuple):
     acc_grads: float32 sum of scaled micro-batch gradients (``()`` when
       ``accumulate_steps == 1``); only finite sums are kept.
     acc_finite: bool, whether every micro-batch of this step was finite.
+    fp8: the `jmp_lite.fp8.Fp8State` of the step's fp8 matmuls, or None.
+      Metadata beside the loss scale, never a gradient: the maxima the step
+      observed (``update``'s ``fp8_amax``) are max-reduced over micro-batches
+      and replicas and recorded once per step, skipped or not, and the
+      gradient histories follow the loss scale when it changes.
   """
 
   loss_scale: ls_lib.LossScale
@@ -126,6 +132,7 @@ class LossScaleState(NamedTuple):
   mini_step: jax.Array
   acc_grads: Any
   acc_finite: jax.Array
+  fp8: Any = None
 
 
 def _adjust(loss_scale, finite, measured):
@@ -134,6 +141,32 @@ def _adjust(loss_scale, finite, measured):
   if underflow is None or not isinstance(loss_scale, UnderflowAwareLossScale):
     return loss_scale.adjust(finite)
   return loss_scale.adjust(finite, underflow, headroom)
+
+
+def _observe(fp8, amax, axis_name):
+  """This micro-batch's fp8 maxima max-reduced into the state."""
+  if (fp8 is None) != (amax is None):
+    raise ValueError(
+        "with_loss_scale.update: " + (
+            "the state has fp8 metadata (fp8=), so update needs the step's "
+            "fp8 maxima as fp8_amax= (TrainState.minimize passes them)"
+            if amax is None else
+            "fp8_amax= was given but the state has no fp8 metadata (pass fp8= "
+            "to with_loss_scale or TrainState.create)"))
+  if fp8 is None:
+    return None
+  if axis_name is not None:
+    amax = jax.tree.map(lambda a: jax.lax.pmax(a, axis_name), amax)
+  return fp8.observe(amax)
+
+
+def _fp8_step_end(fp8, old_scale, new_scale):
+  """The step's maxima recorded, and gradient histories moved with the loss scale."""
+  if fp8 is None:
+    return None
+  factor = (jnp.asarray(new_scale.loss_scale, jnp.float32)
+            / jnp.asarray(old_scale.loss_scale, jnp.float32))
+  return fp8.commit().rescale_gradients(factor)
 
 
 def _no_op_updates(update_fn) -> Any:
@@ -158,6 +191,7 @@ def with_loss_scale(
     clip_norm: Optional[float] = None,
     accumulate_steps: int = 1,
     axis_name: ls_lib.AxisName = None,
+    fp8: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that it receives unscaled gradients and skips bad steps.
 
@@ -199,6 +233,9 @@ def with_loss_scale(
       step everywhere. Not needed under ``jax.jit`` with sharded arrays, where
       the check is already global. The norm used for clipping is that of the
       gradients each replica holds (reduce them across devices first).
+    fp8: a `jmp_lite.fp8.Fp8State` (from `jmp_lite.fp8.init`) to keep in the
+      state; ``update`` then takes the step's fp8 maxima as ``fp8_amax=``
+      (what `jmp_lite.TrainState.minimize` passes).
 
   Returns:
     A `optax.GradientTransformationExtraArgs` whose state is `LossScaleState`.
@@ -228,11 +265,11 @@ def with_loss_scale(
   """
   return _with_loss_scale(inner, loss_scale, clip_norm=clip_norm,
                           accumulate_steps=accumulate_steps, axis_name=axis_name,
-                          check_results=True)
+                          check_results=True, fp8=fp8)
 
 
 def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_name,
-                     check_results: bool):
+                     check_results: bool, fp8=None):
   """`with_loss_scale`; ``check_results=False`` checks the gradients only.
 
   The unchecked variant exists so that ``bench/`` can measure what checking
@@ -264,6 +301,10 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     raise ValueError(
         f"with_loss_scale: accumulate_steps must be a whole number >= 1, got "
         f"{accumulate_steps!r}")
+  if fp8 is not None and not isinstance(fp8, Fp8State):
+    raise TypeError(
+        f"with_loss_scale: fp8 must be a jmp_lite.fp8.Fp8State (from "
+        f"jmp_lite.fp8.init), got {type(fp8).__name__}")
   inner = optax.with_extra_args_support(inner)
   k = int(accumulate_steps)
 
@@ -293,6 +334,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
         mini_step=jnp.zeros((), jnp.int32),
         acc_grads=acc,
         acc_finite=jnp.array(True),
+        fp8=fp8,
     )
 
   def step(grads, state, params, extra_args, scale, earlier_ok, measured=(None, None)):
@@ -338,8 +380,10 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
       applied = finite
     dtype = state.grad_norm.dtype
     norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)
+    new_scale = _adjust(state.loss_scale, finite, measured)
     new_state = state._replace(
-        loss_scale=_adjust(state.loss_scale, finite, measured),
+        loss_scale=new_scale,
+        fp8=_fp8_step_end(state.fp8, state.loss_scale, new_scale),
         inner_state=inner_state,
         skipped=~applied,
         skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
@@ -371,6 +415,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     # transformation's own extra arguments, not the inner optimizer's.
     measured = (extra_args.pop("loss_scale_underflow", None),
                 extra_args.pop("loss_scale_headroom", None))
+    state = state._replace(fp8=_observe(state.fp8, extra_args.pop("fp8_amax", None),
+                                        axis_name))
     scale = state.loss_scale.loss_scale.astype(jnp.float32)
     if k == 1:
       return step(grads, state, params, extra_args, scale, jnp.array(True), measured)

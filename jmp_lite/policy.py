@@ -110,6 +110,10 @@ class Policy:
     reduce_dtype: dtype gradients are averaged across devices in.
     autocast_dtype: if set, op-level autocasting to this dtype is requested
       (the "O1" level) and ``compute_dtype`` is what the other ops run in.
+    fp8: if set, the matrix multiplies of the modules this policy governs
+      under `jmp_lite.flax.wrap` run with fp8 operands and gradients
+      (`jmp_lite.fp8`): ``"hybrid"`` (e4m3 operands, e5m2 gradients, the
+      field's default) or ``"e4m3"`` (both e4m3).
 
   Raises:
     ValueError: if any dtype is not a floating dtype.
@@ -131,6 +135,7 @@ class Policy:
   output_dtype: np.dtype
   reduce_dtype: np.dtype = np.dtype(np.float32)
   autocast_dtype: Optional[np.dtype] = None
+  fp8: Optional[str] = None
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
@@ -140,6 +145,9 @@ class Policy:
       object.__setattr__(
           self, "autocast_dtype",
           _canonical(self.autocast_dtype, "Policy.autocast_dtype"))
+    if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+      raise ValueError(
+          f"Policy.fp8 must be None or one of {sorted(FP8_RECIPES)}, got {self.fp8!r}.")
 
   def cast_to_param(self, x: T) -> T:
     """Converts floating point values to the param dtype."""
@@ -172,6 +180,9 @@ class Policy:
   def with_autocast_dtype(self, autocast_dtype: Optional[DTypeLike]) -> "Policy":
     return dataclasses.replace(self, autocast_dtype=autocast_dtype)
 
+  def with_fp8(self, fp8: Optional[str]) -> "Policy":
+    return dataclasses.replace(self, fp8=fp8)
+
   def __str__(self) -> str:
     parts = [f"p={dtype_name(self.param_dtype)}",
              f"c={dtype_name(self.compute_dtype)}",
@@ -180,6 +191,8 @@ class Policy:
       parts.append(f"r={dtype_name(self.reduce_dtype)}")
     if self.autocast_dtype is not None:
       parts.append(f"a={dtype_name(self.autocast_dtype)}")
+    if self.fp8 is not None:
+      parts.append(f"fp8={self.fp8}")
     return ",".join(parts)
 
 
@@ -292,6 +305,9 @@ def parse_dtype(value: str) -> np.dtype:
 
 _AMBIGUOUS = ("float",)
 
+# fp8 recipes: the formats of a matmul's operands and of its gradient.
+FP8_RECIPES = {"hybrid": ("e4m3", "e5m2"), "e4m3": ("e4m3", "e4m3")}
+
 _KEYS = {
     "p": "param_dtype", "params": "param_dtype", "param": "param_dtype",
     "c": "compute_dtype", "compute": "compute_dtype",
@@ -344,7 +360,8 @@ def get_policy(policy_name: str | Policy) -> Policy:
     ``"half"`` (jmp's `half_dtype`);
   * comma-separated ``key=dtype`` pairs, keys ``params``/``p``,
     ``compute``/``c``, ``output``/``o``, ``reduce``/``r`` and
-    ``autocast``/``a``. Params default to float32, compute follows params,
+    ``autocast``/``a``, and ``fp8=hybrid`` (or ``fp8=e4m3``), which is not a
+    dtype but an fp8 recipe (`Policy.fp8`). Params default to float32, compute follows params,
     output follows compute, reduce is float32 (``"c=bf16"`` is
     ``"p=f32,c=bf16,o=bf16"``). A key given twice is an error;
   * a preset. ``half`` below is bfloat16, or what a suffix says:
@@ -397,22 +414,29 @@ def get_policy(policy_name: str | Policy) -> Policy:
     if not sep or not key or not value or "=" in value:
       raise ValueError(
           f"Malformed token '{part}' in '{policy_name}': expected key=dtype.")
-    if key not in _KEYS:
+    if key not in _KEYS and key != "fp8":
       raise ValueError(
           f"Unknown key '{key}' in '{policy_name}' should be one of "
           "'params' (p), 'compute' (c), 'output' (o), 'reduce' (r), "
-          "'autocast' (a).")
-    field = _KEYS[key]
+          "'autocast' (a), 'fp8'.")
+    field = "fp8" if key == "fp8" else _KEYS.get(key)
     if field in given:
       raise ValueError(
           f"Duplicate key '{key}' in '{policy_name}': {field} is given twice.")
+    if field == "fp8":
+      if value not in FP8_RECIPES:
+        raise ValueError(
+            f"Unknown fp8 recipe '{value}' in '{policy_name}': expected one of "
+            f"{sorted(FP8_RECIPES)}.")
+      given[field] = value
+      continue
     given[field] = parse_dtype(value)
   param = given.get("param_dtype", np.dtype(np.float32))
   compute = given.get("compute_dtype", param)
   output = given.get("output_dtype", compute)
   return Policy(param, compute, output,
                 reduce_dtype=given.get("reduce_dtype", np.dtype(np.float32)),
-                autocast_dtype=given.get("autocast_dtype"))
+                autocast_dtype=given.get("autocast_dtype"), fp8=given.get("fp8"))
 
 
 def cast_to_full(tree: T) -> T:

@@ -29,6 +29,7 @@ from jmp_lite import distributed
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
 from jmp_lite import telemetry as telemetry_lib
+from jmp_lite.fp8 import Fp8State
 from jmp_lite.policy import Policy, get_policy
 from jmp_lite.underflow import UnderflowAwareLossScale
 
@@ -51,24 +52,8 @@ def _check_loss(loss: Any) -> None:
         f"dtype={dtype}. Reduce it with jnp.mean or jnp.sum.")
 
 
-def _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
-                           axis_name=None):
-  """``f(loss_scale, *args)`` returning ``(value, grads of loss_scale.scale(loss))``.
-
-  With ``telemetry``, ``f(step, loss_scale, *args)`` returning ``(value,
-  grads, stats)``: a `jmp_lite.telemetry.PrecisionStats` of the same pass on
-  the steps ``telemetry`` samples (reduced over ``axis_name`` under
-  ``shard_map``), zeros on the others.
-
-  With a policy, the differentiated arguments are cast to its compute dtype,
-  and the differentiated step runs under the precision engine (or autocast,
-  for O1): every narrow matmul of the forward and backward pass accumulates
-  in float32, and a weight gradient whose contraction XLA's partitioner
-  splits across devices (``jit`` with a sharded batch) is reduced in the
-  policy's ``reduce_dtype`` rather than in the compute dtype.
-  """
-  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-
+def _scaled_fun(fun, nums, has_aux, policy):
+  """``scaled(loss_scale, *args) -> (scaled loss, (loss, aux))``, what is differentiated."""
   def scaled(loss_scale, *args, **kwargs):
     if policy is not None:
       args = tuple(policy.cast_to_compute(a) if i in nums else a
@@ -91,20 +76,58 @@ def _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
     # Forward rewritten, differentiated outside: the backward's matmuls are
     # the engine's transposes.
     scaled = _engine.accumulate(scaled, reduce_dtype=policy.reduce_dtype)
+  return scaled
+
+
+def _fp8_sites(fun, args, kwargs, *, argnums, has_aux, policy, selection):
+  """``(name, leading shape, recipe)`` of the fp8 matmuls the step would make."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  policy = get_policy(policy) if policy is not None else None
+  scaled = _scaled_fun(fun, nums, has_aux, policy)
+  return _instrument.fp8_sites(scaled, (ls_lib.NoOpLossScale(), *args), kwargs,
+                               selection)
+
+
+def _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
+                           axis_name=None, fp8=None):
+  """``f(loss_scale, *args)`` returning ``(value, grads of loss_scale.scale(loss))``.
+
+  With ``telemetry`` or ``fp8`` (an `_instrument.Fp8Selection`),
+  ``f(step, fp8_state, loss_scale, *args)`` returning ``(value, grads,
+  stats, amax)``: ``stats`` a `jmp_lite.telemetry.PrecisionStats` of the
+  same pass on the steps ``telemetry`` samples (reduced over ``axis_name``
+  under ``shard_map``), zeros on the others (None without telemetry);
+  ``amax`` each fp8 site's absolute maxima (max-reduced over ``axis_name``),
+  its matmuls quantised with ``fp8_state``'s scales.
+
+  With a policy, the differentiated arguments are cast to its compute dtype,
+  and the differentiated step runs under the precision engine (or autocast,
+  for O1): every narrow matmul of the forward and backward pass accumulates
+  in float32, and a weight gradient whose contraction XLA's partitioner
+  splits across devices (``jit`` with a sharded batch) is reduced in the
+  policy's ``reduce_dtype`` rather than in the compute dtype.
+  """
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  scaled = _scaled_fun(fun, nums, has_aux, policy)
   # The loss scale comes first, so argument i is argument i + 1 of `scaled`.
   shifted = tuple(i + 1 if i >= 0 else i for i in nums)
   vg = jax.value_and_grad(
       scaled, argnums=shifted[0] if isinstance(argnums, int) else shifted,
       has_aux=True)
-  if telemetry is not None:
-    probed = _instrument.value_and_grad(scaled, shifted, mode=telemetry.mode,
-                                        what_if=telemetry.what_if)
+  instrumented = telemetry is not None or fp8 is not None
+  if instrumented:
+    probed = _instrument.value_and_grad(
+        scaled, shifted, mode=None if telemetry is None else telemetry.mode,
+        what_if=() if telemetry is None else telemetry.what_if, fp8=fp8)
 
-    def measured_vg(gate, *args, **kwargs):
-      (value, grads), rows = probed(gate, *args, **kwargs)
-      stats = _instrument.build(rows, telemetry, axis_name,
-                                sampled=True if gate is None else gate > 0)
-      return value, grads[0] if isinstance(argnums, int) else grads, stats
+    def measured_vg(gate, fp8_state, *args, **kwargs):
+      (value, grads), rows, amax = probed(gate, fp8_state, *args, **kwargs)
+      stats = None if telemetry is None else _instrument.build(
+          rows, telemetry, axis_name, sampled=True if gate is None else gate > 0)
+      if axis_name is not None and _replicas.manual_axes():
+        # Delayed scaling reads the largest value any device saw.
+        amax = jax.tree.map(lambda a: jax.lax.pmax(a, axis_name), amax)
+      return value, grads[0] if isinstance(argnums, int) else grads, stats, amax
 
   else:
     measured_vg = None
@@ -119,16 +142,17 @@ def _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
     (_, (loss, aux)), grads = vg(loss_scale, *args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 
-  if telemetry is None:
+  if not instrumented:
     return run
 
-  def run_measured(step, loss_scale, *args, **kwargs):
+  def run_measured(step, fp8_state, loss_scale, *args, **kwargs):
     # Sampling gates the probes' reductions, not the step: a `cond` around
     # the whole forward and backward pass keeps XLA:CPU from optimising
     # its convolutions (15x slower steps, measured on digits' CNN).
-    gate = _instrument.gate(telemetry, step)
-    (_, (loss, aux)), grads, stats = measured_vg(gate, loss_scale, *args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads, stats
+    gate = None if telemetry is None else _instrument.gate(telemetry, step)
+    (_, (loss, aux)), grads, stats, amax = measured_vg(gate, fp8_state, loss_scale,
+                                                       *args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads, stats, amax
 
   return run_measured
 
@@ -187,6 +211,13 @@ def value_and_grad(
       grads_finite, stats)``, and takes a keyword-only ``telemetry_step``
       (the step number, for ``Telemetry.every``; default: measure).
 
+  The returned function also takes a keyword-only ``fp8``, a
+  `jmp_lite.fp8.Fp8State` (from `jmp_lite.fp8.init` on ``fun``): its matmuls
+  then run in fp8 with its scales, and the state with this pass's maxima
+  recorded is returned last. It is not touched by ``loss_scale``; after
+  changing the loss scale by a factor, call its ``rescale_gradients(factor)``
+  (`jmp_lite.TrainState` does both).
+
   Raises:
     TypeError: (when called) if ``fun`` does not return a floating scalar.
     ValueError: (when called) inside ``shard_map(check_vma=False)`` or
@@ -210,15 +241,21 @@ def value_and_grad(
   scaled_vg = _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry,
                                      axis_name)
 
-  def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(), **kwargs):
+  def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(),
+              fp8: Optional[Fp8State] = None, **kwargs):
     if not isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
                                    ls_lib.DynamicLossScale)):
       raise TypeError(
           "value_and_grad: loss_scale must be a jmp_lite loss scale, e.g. "
           f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
-    if telemetry is not None:
-      step = kwargs.pop("telemetry_step", None)
-      value, grads, stats = scaled_vg(step, loss_scale, *args, **kwargs)
+    step = kwargs.pop("telemetry_step", None) if telemetry is not None else None
+    if fp8 is not None:
+      vg = _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry, axis_name,
+                                  _selection(fp8))
+      value, grads, stats, amax = vg(step, fp8, loss_scale, *args, **kwargs)
+      fp8 = fp8.observe(amax).commit()
+    elif telemetry is not None:
+      value, grads, stats, _ = scaled_vg(step, None, loss_scale, *args, **kwargs)
     else:
       value, grads = scaled_vg(loss_scale, *args, **kwargs)
     grads = loss_scale.unscale(grads)
@@ -227,11 +264,24 @@ def value_and_grad(
     # and shard_map refuses it as a replicated output. Unchecked, nothing
     # would stop it from making the replicas diverge.
     _replicas.check_decision(finite, axis_name, "value_and_grad", tracked=False)
+    out = (value, grads, finite)
     if telemetry is not None:
-      return value, grads, finite, stats
-    return value, grads, finite
+      out += (stats,)
+    if fp8 is not None:
+      out += (fp8,)
+    return out
 
   return functools.wraps(fun)(wrapped)
+
+
+def _selection(fp8) -> Optional[_instrument.Fp8Selection]:
+  """Which matmuls an `jmp_lite.fp8.Fp8State` says are fp8 (None: no state)."""
+  if fp8 is None:
+    return None
+  if not isinstance(fp8, Fp8State):
+    raise TypeError(f"fp8 must be a jmp_lite.fp8.Fp8State (from jmp_lite.fp8.init), "
+                    f"got {type(fp8).__name__}")
+  return _instrument.Fp8Selection(fp8.select, fp8.recipe)
 
 
 def _check_telemetry(telemetry, where: str):
@@ -315,7 +365,7 @@ class TrainState(flax.struct.PyTreeNode):
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, loss_scale=None, policy=None,
-             clip_norm=None, accumulate_steps=1, axis_name=None,
+             clip_norm=None, accumulate_steps=1, axis_name=None, fp8=None,
              **kwargs) -> "TrainState":
     """Creates a state: params cast to the policy's param dtype, ``tx`` wrapped.
 
@@ -330,6 +380,10 @@ class TrainState(flax.struct.PyTreeNode):
       axis_name: for ``minimize`` under ``shard_map``: the data-parallel mesh
         axis (or axes). Gradients are then averaged across it in the policy's
         ``reduce_dtype`` (float32 by default) and replicas agree on a skip.
+      fp8: a `jmp_lite.fp8.Fp8State` (`jmp_lite.fp8.init` on the loss
+        function ``minimize`` will be given): ``minimize`` then runs those
+        matmuls in fp8 with delayed scaling, the metadata kept beside the
+        loss scale (`jmp_lite.optax.LossScaleState.fp8`).
       **kwargs: further fields of a subclass.
     """
     policy = get_policy(policy) if policy is not None else None
@@ -339,7 +393,8 @@ class TrainState(flax.struct.PyTreeNode):
       loss_scale = ls_lib.NoOpLossScale()
     axis_name = ls_lib._check_axis_name(axis_name, "TrainState.create")
     tx = jo.with_loss_scale(tx, loss_scale, clip_norm=clip_norm,
-                            accumulate_steps=accumulate_steps, axis_name=axis_name)
+                            accumulate_steps=accumulate_steps, axis_name=axis_name,
+                            fp8=fp8)
     return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params,
                tx=tx, opt_state=tx.init(params), policy=policy,
                axis_name=axis_name, **kwargs)
@@ -394,22 +449,26 @@ class TrainState(flax.struct.PyTreeNode):
       # Per-device gradients, so that JAX does not sum them itself in the
       # compute dtype; reduce_gradients averages them in reduce_dtype.
       params = distributed.mark_varying(params, self.axis_name)
+    fp8 = self.loss_scale_state.fp8
     vg = _scaled_value_and_grad(loss_fn, 0, has_aux, self.policy, telemetry,
-                                self.axis_name)
-    if telemetry is None:
+                                self.axis_name, _selection(fp8))
+    measured = {}
+    if telemetry is None and fp8 is None:
       value, grads = vg(self.loss_scale, params, *args, **kwargs)
       stats = None
     else:
-      value, grads, stats = vg(self.step, self.loss_scale, params, *args, **kwargs)
+      value, grads, stats, amax = vg(self.step, fp8, self.loss_scale, params, *args,
+                                     **kwargs)
+      if fp8 is not None:
+        measured["fp8_amax"] = amax
     if self.axis_name is not None:
       grads = distributed.reduce_gradients(grads, self.axis_name, policy=self.policy)
     loss, aux = value if has_aux else (value, None)
     used_scale = self.loss_scale.loss_scale
-    measured = {}
     if stats is not None and isinstance(self.loss_scale, UnderflowAwareLossScale):
       # What this step measured of its half-precision cotangents (zero
       # underflow on steps telemetry does not sample), for the loss scale.
-      measured = dict(
+      measured.update(
           loss_scale_underflow=jnp.where(stats.sampled, stats.cotangent_underflow, 0.0),
           loss_scale_headroom=stats.cotangent_headroom)
     new = self._apply(grads, measured)
