@@ -28,7 +28,7 @@ REFERENCE_GFLOPS = {"float32": 173.0, "bfloat16": 105.0, "float16": 160.0}
 
 
 def _compute_dtype(policy_name: str) -> str:
-  if "bf16" in policy_name:
+  if "bf16" in policy_name or "fp8" in policy_name:  # fp8 rows compute in bf16
     return "bfloat16"
   if "f16" in policy_name:
     return "float16"

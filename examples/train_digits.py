@@ -8,6 +8,9 @@ same batches, under each policy:
   f16          float32 master params, float16 compute, dynamic loss scaling.
   f16_underflow  ... whose loss scale also grows when telemetry measures
                underflowing cotangents (`jmp_lite.UnderflowAwareLossScale`).
+  fp8          bf16 compute, with the Dense layers' matmuls in fp8 (e4m3
+               operands, e5m2 gradients, delayed scaling; `jmp_lite.fp8`).
+               Emulated on a CPU: it shows accuracy, not speed.
   pure_f16     float16 params and compute (O3 on a float16 GPU), plain Adam,
                dynamic loss scaling: `with_loss_scale` keeps Adam in float32.
   pure_bf16    bfloat16 params and Adam moments, round-to-nearest updates.
@@ -42,6 +45,8 @@ POLICIES = {
     "bf16": ("p=f32,c=bf16,o=f32", "bf16 compute, f32 master params"),
     "f16": ("p=f32,c=f16,o=f32", "f16 compute, f32 master params, dynamic loss scale"),
     "f16_underflow": ("p=f32,c=f16,o=f32", "f16 with an underflow-aware loss scale"),
+    "fp8": ("p=f32,c=bf16,o=f32,fp8=hybrid",
+            "bf16 compute, Dense matmuls in fp8 with delayed scaling"),
     "pure_f16": ("p=f16,c=f16,o=f32", "f16 params and compute, dynamic loss scale"),
     "pure_bf16": ("p=bf16,c=bf16,o=f32", "bf16 params and Adam moments, round to nearest"),
     "pure_bf16_sr": ("p=bf16,c=bf16,o=f32", "pure_bf16 + stochastic rounding of updates"),
@@ -51,7 +56,7 @@ DEFAULT_POLICIES = "f32,bf16,f16"
 # Seconds to compile and milliseconds per step of each policy with the
 # defaults, on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
 TIMINGS = {"f32": (3.5, 16.7), "bf16": (4.2, 17.5), "f16": (3.7, 15.8),
-           "f16_underflow": (7.0, 17.0),
+           "f16_underflow": (7.0, 17.0), "fp8": (6.0, 20.0),
            "pure_f16": (4.0, 17.0), "pure_bf16": (4.2, 18.0),
            "pure_bf16_sr": (4.5, 20.0), "pure_bf16_kahan": (4.5, 20.0)}
 
@@ -147,16 +152,21 @@ def train(name, data, args):
   loss_scale, calibrated, telemetry = _firstrun.f16_start(
       policy, args, f32_loss, params, x_train[first], y_train[first],
       underflow_aware=name.endswith("_underflow"))
+  def loss_fn(params, x, y):
+    logits = model.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  # fp8: the metadata (amax histories and scales) of each fp8 matmul the
+  # step makes, found by tracing it; it lives beside the loss scale.
+  fp8 = (jmp_lite.fp8.init(loss_fn, params, x_train[first], y_train[first])
+         if policy.fp8 else None)
   state = jmp_lite.TrainState.create(
-      apply_fn=model.apply, params=params, loss_scale=loss_scale,
+      apply_fn=model.apply, params=params, loss_scale=loss_scale, fp8=fp8,
       tx=make_optimizer(name, args.lr, args.steps, args.seed))
 
   @jax.jit
   def train_step(state, x, y):
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, x)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return state.minimize(loss_fn, telemetry=telemetry)
+    return state.minimize(loss_fn, x, y, telemetry=telemetry)
 
   @jax.jit
   def accuracy(params, x, y):

@@ -113,6 +113,10 @@ class Hardware:
                    "not speed.")
     if any(d.startswith("float8") for d in self.matrix_dtypes):
       lines.append("fp8: native matrix units (twice the bf16 rate).")
+    else:
+      lines.append("fp8: no fp8 matrix units here; fp8 policies are emulated "
+                   "(quantise and read back around bf16 matmuls): they check "
+                   "accuracy, not speed.")
     return "\n".join(lines)
 
 

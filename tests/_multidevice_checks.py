@@ -820,3 +820,68 @@ def test_telemetry_under_shard_map_is_reduced_across_devices(every):
       np.testing.assert_allclose(float(b.forward_underflow[d]),
                                  float(a.forward_underflow[d]), rtol=1e-6)
     assert float(b.backward_max) == 8 * float(a.backward_max) > 0
+
+
+# ----------------------------------------------------------------------- fp8
+
+FP8_POLICY = "p=f32,c=bf16,o=f32"
+
+
+def _fp8_loss(params, x, y):
+  with jax.named_scope("mlp"):
+    h = jnp.tanh(x.astype(params["w1"].dtype) @ params["w1"] + params["b1"])
+    out = h @ params["w2"]
+  return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+
+def _fp8_state(x, y):
+  fp8 = jmp_lite.fp8.init(_fp8_loss, _params(), x, y, policy=FP8_POLICY,
+                          select="mlp", history_length=4)
+  return jmp_lite.TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(0.05),
+                                    policy=FP8_POLICY, fp8=fp8,
+                                    loss_scale=jmp_lite.StaticLossScale(2.0 ** 4))
+
+
+def _newest(state):
+  return {k: np.stack([np.asarray(getattr(m, r).amax_history[..., 0])
+                       for r in ("lhs", "rhs", "grad")])
+          for k, m in state.loss_scale_state.fp8.sites.items()}
+
+
+def test_fp8_maxima_are_max_reduced_across_devices_under_shard_map():
+  # Oracle: the same step on one device. Each device's lhs maximum is that
+  # of its rows; the recorded one must be the largest (the one-device
+  # value), not a sum or mean. Each device's loss is the mean over its 8
+  # rows, so its cotangents are 8x the global mean's, exactly.
+  xs, ys = _batches()
+  x, y = xs[0], ys[0]
+  step = lambda s, x, y: s.minimize(_fp8_loss, x, y)[0]
+  single = _newest(jax.jit(step)(_fp8_state(x, y), x, y))
+  mesh = _mesh((N_DEVICES,), ("data",))
+  sharded_state = _fp8_state(x, y).replace(axis_name="data")
+  replicated = jax.tree.map(lambda _: P(), sharded_state)
+  sharded = _newest(jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(replicated, P("data"), P("data")),
+      out_specs=replicated))(sharded_state, x, y))
+  assert list(sharded) == ["mlp", "mlp#2"]
+  per_device = np.abs(x.astype(jnp.bfloat16).astype(np.float32)).reshape(
+      N_DEVICES, -1).max(axis=1)
+  assert len(set(per_device.tolist())) > 1  # a sum or a mean would differ
+  assert sharded["mlp"][0] == single["mlp"][0] == per_device.max()
+  for k in single:
+    assert sharded[k][1] == single[k][1] > 0  # replicated weights
+    assert sharded[k][2] == 8 * single[k][2] > 0
+
+
+def test_fp8_maxima_under_jit_with_a_sharded_batch_are_global():
+  xs, ys = _batches()
+  x, y = xs[0], ys[0]
+  step = jax.jit(lambda s, x, y: s.minimize(_fp8_loss, x, y)[0])
+  single = _newest(step(_fp8_state(x, y), x, y))
+  mesh = _mesh((N_DEVICES,), ("data",))
+  with jax.set_mesh(mesh):
+    xd = jax.device_put(x, NamedSharding(mesh, P("data")))
+    yd = jax.device_put(y, NamedSharding(mesh, P("data")))
+    sharded = _newest(step(_fp8_state(x, y), xd, yd))
+  for k in single:
+    np.testing.assert_array_equal(sharded[k], single[k])
