@@ -1,9 +1,12 @@
-"""Places probes (`jmp_lite._probes`) in a traced function and reads them back.
+"""Places probes (`jmp_lite._probes`) and fp8 matmul sites (`jmp_lite._fp8_sites`)
+in a traced function and reads them back.
 
 `value_and_grad` traces the function once (with `tap` marks active), plans
-where each probe's carrier lives in one flat float32 vector, evaluates the
-jaxpr with the probes in place and differentiates with respect to that
-vector too. Higher-order equations holding probes are re-bound through the
+where each probe's and each fp8 site's carrier lives in one flat float32
+vector, evaluates the jaxpr with them in place and differentiates with
+respect to that vector too. A probe's slice is zeros and its cotangent the
+statistics (`jmp_lite._stats` reads them); an fp8 site's slice holds its
+three scales and its cotangent the three maxima. Higher-order equations holding probes are re-bound through the
 public API with their share of the carrier:
 
 * ``scan``: the carrier slice becomes one more scanned input, a row per
@@ -36,7 +39,6 @@ from jmp_lite import _probes
 from jmp_lite import _replicas
 from jmp_lite import fp8 as fp8_lib
 from jmp_lite import policy as policy_lib
-from jmp_lite import telemetry as telemetry_lib
 
 _NESTED = ("scan", "remat2", "jit", "pjit", "cond")
 
@@ -150,7 +152,7 @@ class Fp8Selection:
       return None, ""  # integer products, or operands already fp8
     parts = [p for p in where.split("/") if p]
     marks = [p for p in parts if p.startswith(_fp8_sites.MARK)]
-    path = _clean("/".join(p for p in parts if not p.startswith(_fp8_sites.MARK)))
+    path = _clean(where)
     if self.select is not None:
       if re.fullmatch(self.select, path) is None:
         return None, ""
@@ -183,8 +185,9 @@ def collapse(path: str) -> str:
 
 
 def _clean(path: str) -> str:
-  """`collapse`, with wrap's own frame removed: paths as wrap's rules see them."""
-  path = collapse(path)
+  """`collapse`, with wrap's own frame and fp8 marks removed: paths as wrap's rules see them."""
+  path = collapse("/".join(p for p in path.split("/")
+                           if not p.startswith(_fp8_sites.MARK)))
   prefix = "_LinenWrapper/module"
   return path[len(prefix) + 1:] if path.startswith(prefix + "/") else (
       "" if path == prefix else path)
@@ -395,92 +398,3 @@ def _check_state(state, slots) -> dict:
           f"rows {meta.lhs.scale.shape}, the step {[d.name for d in want]} and "
           f"{idx.shape[:-1]}. Make the state with jmp_lite.fp8.init on this step.")
   return state.scales()
-
-
-# Statistics from the carrier's cotangent ----------------------------------------
-
-
-
-def _is_max(width: int) -> np.ndarray:
-  """Which of a probe's ``width`` statistics are maxima (the rest are counts)."""
-  is_max = np.zeros(width, bool)
-  is_max[[0, width // 2]] = True
-  return is_max
-
-
-def _combine(rows: Sequence[tuple[str, str, jax.Array]]) -> dict:
-  """Probes of one path (a module called twice, several outputs) merged.
-
-  Maxima by max, counts by sum; probes of one path with different dtypes or
-  layer axes are kept apart under ``path#2``, ``path#3``...
-  """
-  merged: dict[str, tuple[str, jax.Array]] = {}
-  for path, dtype, arr in rows:
-    key = path
-    n = 1
-    while key in merged and (merged[key][0] != dtype
-                             or merged[key][1].shape != arr.shape):
-      n += 1
-      key = f"{path}#{n}"
-    if key in merged:
-      old = merged[key][1]
-      arr = jnp.where(_is_max(arr.shape[-1]), jnp.maximum(old, arr), old + arr)
-    merged[key] = (dtype, arr)
-  return merged
-
-
-def _reduce(merged: dict, axis_name) -> dict:
-  """Maxima and counts over the devices of ``axis_name`` (under shard_map)."""
-  if axis_name is None:
-    return merged
-  out = {}
-  for key, (dtype, arr) in merged.items():
-    arr = jnp.where(_is_max(arr.shape[-1]), jax.lax.pmax(arr, axis_name),
-                    jax.lax.psum(arr, axis_name))
-    out[key] = (dtype, arr)
-  return out
-
-
-def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
-          sampled=True) -> telemetry_lib.PrecisionStats:
-  """`PrecisionStats` from `decode`'s rows."""
-  merged = _reduce(_combine(rows), axis_name if _replicas.manual_axes() else None)
-  names_of = lambda dtype: [dtype] + [d.name for d in telemetry.what_if]
-  modules = {}
-  # Over every cotangent held in a 16-bit or narrower float: what an
-  # underflow-aware loss scale reads.
-  under, nonzero = jnp.float32(0), jnp.float32(0)
-  headroom = jnp.float32(jnp.inf)
-  for key, (dtype, arr) in merged.items():
-    half = arr.shape[-1] // 2
-
-    def side(part, dtype=dtype):
-      nonzero = jnp.maximum(part[..., 2], 1.0)
-      under = {}
-      for i, d in enumerate(names_of(dtype)):
-        under.setdefault(d, part[..., _probes.BASE_STATS + i] / nonzero)
-      return part[..., 0], part[..., 1].astype(jnp.int32), under
-
-    fmax, fnon, funder = side(arr[..., :half])
-    bmax, bnon, bunder = side(arr[..., half:])
-    modules[key] = telemetry_lib.ModuleStats(
-        forward_max=fmax, forward_nonfinite=fnon, forward_underflow=funder,
-        backward_max=bmax, backward_nonfinite=bnon, backward_underflow=bunder,
-        dtype=dtype)
-    if _dtypes.is_narrow_float(dtype):
-      back = arr[..., half:]
-      under += jnp.sum(back[..., _probes.BASE_STATS])
-      nonzero += jnp.sum(back[..., 2])
-      top = jnp.max(back[..., 0])
-      headroom = jnp.minimum(headroom, jnp.where(
-          top > 0, float(jnp.finfo(dtype).max) / top, jnp.inf))
-  return telemetry_lib.PrecisionStats(
-      sampled=jnp.asarray(sampled), modules=modules,
-      cotangent_underflow=under / jnp.maximum(nonzero, 1.0),
-      cotangent_headroom=headroom, order=tuple(modules))
-
-
-def gate(telemetry: telemetry_lib.Telemetry, step) -> Optional[jax.Array]:
-  """None (measure) when every step is measured, else 1.0 on sampled steps."""
-  sample = telemetry.sample(step)
-  return None if sample is True else jnp.asarray(sample, jnp.float32)

@@ -8,9 +8,15 @@ tensor's absolute maxima in earlier steps, so the quantisation does not wait
 for this step's maximum: `DelayedScaling.qdq` computes the new scale from the
 history, quantises with it, and records this step's maximum, in one pass.
 
-This module is the first part of fp8 training (issue 18): the quantisation
-and the per-tensor state. It is checked bitwise against Flax's own
-``flax.linen.fp8_ops`` (``tests/test_fp8.py``).
+fp8 training: a policy with ``fp8="hybrid"`` (``"p=f32,c=bf16,o=f32,fp8=hybrid"``)
+puts the matmuls of the modules it governs under `jmp_lite.flax.wrap` in fp8
+(``select=`` picks plain-JAX matmuls by name scope). `init` traces the step
+and gives each such matmul a `MatmulMeta` in one `Fp8State`, which lives
+beside the loss scale (`jmp_lite.TrainState.create` ``fp8=``) and is updated
+by the step from the maxima measured in the same pass (`jmp_lite._fp8_sites`).
+`restore` migrates checkpoints across history lengths and schema versions.
+Checked bitwise against Flax's own ``flax.linen.fp8_ops`` (``tests/test_fp8.py``,
+``tests/test_fp8_training.py``).
 """
 
 from __future__ import annotations
@@ -376,9 +382,6 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
       select=select, recipe=recipe)
 
 
-# Checkpoints --------------------------------------------------------------------
-
-
 def restore(raw: Any, target: Any) -> Any:
   """``target`` filled from a checkpoint restored without a target.
 
@@ -412,75 +415,5 @@ def restore(raw: Any, target: Any) -> Any:
     >>> fp8.restore(raw, new).sites["mlp"].grad.amax_history.tolist()
     [3.0, 0.0]
   """
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(
-      target, is_leaf=lambda x: isinstance(x, Fp8State))
-  out = []
-  for path, leaf in leaves:
-    node = _lookup(raw, path)
-    where = jax.tree_util.keystr(path) or "<root>"
-    out.append(_migrate(node, leaf, where) if isinstance(leaf, Fp8State)
-               else _leaf(node, leaf, where))
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _lookup(raw, path):
-  node = raw
-  for i, key in enumerate(path):
-    name = (key.key if isinstance(key, jax.tree_util.DictKey) else
-            key.name if isinstance(key, jax.tree_util.GetAttrKey) else
-            key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key)
-    try:
-      node = node[name] if not isinstance(node, dict) or name in node else node[str(name)]
-    except (KeyError, IndexError, TypeError):
-      raise ValueError(f"the checkpoint has nothing at "
-                       f"{jax.tree_util.keystr(path[:i + 1])}") from None
-  return node
-
-
-def _leaf(value, like, where):
-  value = np.asarray(value)
-  if value.shape != tuple(like.shape):
-    raise ValueError(f"checkpoint leaf {where} has shape {value.shape}, the target "
-                     f"{tuple(like.shape)}")
-  return jnp.asarray(value, like.dtype)
-
-
-def _relay(history, length: int) -> np.ndarray:
-  """A history re-laid to ``length``: newest first, then from the end backwards."""
-  history = np.asarray(history, np.float32)
-  newest_first = np.concatenate([history[..., :1], history[..., :0:-1]], axis=-1)
-  keep = newest_first[..., :length]
-  pad = np.zeros((*history.shape[:-1], length - keep.shape[-1]), np.float32)
-  seq = np.concatenate([keep, pad], axis=-1)
-  return np.concatenate([seq[..., :1], seq[..., :0:-1]], axis=-1)
-
-
-def _migrate(raw, target: Fp8State, where: str) -> Fp8State:
-  if not isinstance(raw, dict) or "version" not in raw or "sites" not in raw:
-    raise ValueError(f"{where}: the checkpoint holds no jmp_lite fp8 state here")
-  version = int(np.asarray(raw["version"]))
-  if version > SCHEMA_VERSION:
-    raise ValueError(f"{where}: fp8 schema version {version} is newer than this "
-                     f"jmp_lite's ({SCHEMA_VERSION}); upgrade jmp_lite")
-  if set(raw["sites"]) != set(target.sites):
-    raise ValueError(
-        f"{where}: the checkpoint's fp8 sites {sorted(raw['sites'])} are not the "
-        f"target's {sorted(target.sites)}")
-  sites = {}
-  for name, meta in target.sites.items():
-    saved = raw["sites"][name]
-    parts = {}
-    for role in ("lhs", "rhs", "grad"):
-      like = getattr(meta, role)
-      history = np.asarray(saved[role]["amax_history"])
-      if history.shape[:-1] != like.amax_history.shape[:-1]:
-        raise ValueError(
-            f"{where}.sites[{name!r}].{role}: saved for layers {history.shape[:-1]}, "
-            f"the target has {like.amax_history.shape[:-1]}")
-      parts[role] = _struct.replace_fields(
-          like, amax_history=jnp.asarray(_relay(history, like.amax_history.shape[-1])),
-          scale=_leaf(saved[role]["scale"], like.scale, f"{where}.{name}.{role}.scale"))
-    sites[name] = MatmulMeta(**parts, observed=_leaf(
-        saved["observed"], meta.observed, f"{where}.{name}.observed"))
-  return _struct.replace_fields(target, sites=sites,
-                                version=jnp.asarray(SCHEMA_VERSION, jnp.int32))
+  from jmp_lite import _fp8_checkpoint  # pylint: disable=import-outside-toplevel
+  return _fp8_checkpoint.restore(raw, target)

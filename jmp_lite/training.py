@@ -24,6 +24,7 @@ from jmp_lite import _dtypes
 from jmp_lite import _engine
 from jmp_lite import _instrument
 from jmp_lite import _replicas
+from jmp_lite import _stats
 from jmp_lite import autocasting
 from jmp_lite import distributed
 from jmp_lite import loss_scale as ls_lib
@@ -122,7 +123,7 @@ def _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
 
     def measured_vg(gate, fp8_state, *args, **kwargs):
       (value, grads), rows, amax = probed(gate, fp8_state, *args, **kwargs)
-      stats = None if telemetry is None else _instrument.build(
+      stats = None if telemetry is None else _stats.build(
           rows, telemetry, axis_name, sampled=True if gate is None else gate > 0)
       if axis_name is not None and _replicas.manual_axes():
         # Delayed scaling reads the largest value any device saw.
@@ -149,7 +150,7 @@ def _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
     # Sampling gates the probes' reductions, not the step: a `cond` around
     # the whole forward and backward pass keeps XLA:CPU from optimising
     # its convolutions (15x slower steps, measured on digits' CNN).
-    gate = None if telemetry is None else _instrument.gate(telemetry, step)
+    gate = None if telemetry is None else _stats.gate(telemetry, step)
     (_, (loss, aux)), grads, stats, amax = measured_vg(gate, fp8_state, loss_scale,
                                                        *args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads, stats, amax

@@ -52,6 +52,18 @@ def test_train_digits(tmp_path):
   assert "test acc" in stdout and "ms/step" in stdout
 
 
+def test_train_digits_fp8_within_one_point_of_f32(tmp_path):
+  # Issue 18's bar: fp8 (e4m3 operands, e5m2 gradients, delayed scaling)
+  # on the Dense layers, against the float32 run of the same batches.
+  summary, stdout = _run("train_digits.py", tmp_path, "--policies", "f32,fp8")
+  f32, fp8 = summary["results"]["f32"], summary["results"]["fp8"]
+  assert fp8["policy"] == "p=f32,c=bf16,o=f32,fp8=hybrid"
+  assert fp8["skipped_steps"] == 0
+  assert abs(fp8["test_accuracy"] - f32["test_accuracy"]) <= 0.01
+  assert f32["test_accuracy"] > 0.95
+  assert "fp8: no fp8 matrix units here" in stdout  # this CPU: emulated
+
+
 def _assert_first_run_output(stdout, summary):
   # Before training: the hardware and what bf16 buys on it, and an estimate.
   lines = stdout.splitlines()
