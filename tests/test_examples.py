@@ -84,6 +84,16 @@ def test_train_char_lm(tmp_path):
   _assert_first_run_output(stdout, summary)
 
 
+def test_train_char_lm_fp8_within_two_percent_of_f32(tmp_path):
+  # Issue 18's bar: the MLP blocks' matmuls in fp8 (a path rule), against
+  # the float32 run of the same batches, on the same validation batches.
+  summary, _ = _run("train_char_lm.py", tmp_path, "--steps", "120", "--policies",
+                    "f32,fp8", "--corpus-bytes", "1000000")
+  f32, fp8 = summary["results"]["f32"], summary["results"]["fp8"]
+  assert fp8["skipped_steps"] == 0 and f32["val_loss"] < 3.0
+  assert abs(fp8["val_loss"] / f32["val_loss"] - 1) < 0.02
+
+
 def test_autocast_plain_jax(tmp_path):
   summary, stdout = _run("autocast_plain_jax.py", tmp_path, "--steps", "30")
   assert "with f32 accumulation, 0 flagged" in stdout
