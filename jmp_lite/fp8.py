@@ -57,6 +57,9 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array,
              compute_dtype: Any = None) -> jax.Array:
   """``x / scale``, saturated to the format's range, in fp8 ``dtype``.
 
+  Non-finite values stay non-finite, so that an overflow upstream still
+  reaches the finiteness check.
+
   Args:
     x: the values.
     dtype: an fp8 format (``"e4m3"``, ``"e5m2"`` or the dtype).
@@ -66,8 +69,13 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array,
   dtype = _format(dtype)
   compute_dtype = x.dtype if compute_dtype is None else np.dtype(compute_dtype)
   top = jnp.asarray(jnp.finfo(dtype).max, compute_dtype)
-  scaled = x.astype(compute_dtype) / scale.astype(compute_dtype)
-  return jnp.clip(scaled, -top, top).astype(dtype)
+  x = x.astype(compute_dtype)
+  scaled = x / scale.astype(compute_dtype)
+  # Finite values saturate; inf and NaN stay non-finite (inf, or NaN in
+  # e4m3fn, which has no inf). Flax's fp8_ops clips them too, which turns an
+  # overflowed (scaled) gradient into a finite one: the finiteness check
+  # then passes, the step applies garbage and the loss scale never backs off.
+  return jnp.where(jnp.isfinite(x), jnp.clip(scaled, -top, top), scaled).astype(dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:

@@ -73,7 +73,12 @@ def test_delayed_scaling_matches_flax_over_a_sequence(name, dtype):
     y, meta = step(meta, x)
     want, scale, history = fp8_ops.quantize_dequantize_update(
         x, dtype, scale, history, jnp.float32)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    finite = np.isfinite(np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(y)[finite], np.asarray(want)[finite])
+    # Flax saturates an inf to the format's max; ours stays non-finite, so
+    # that an overflow upstream still reaches the finiteness check.
+    assert not np.isfinite(np.asarray(y)[~finite]).any()
+    assert np.isfinite(np.asarray(want)).all()
     np.testing.assert_array_equal(np.asarray(meta.scale), np.asarray(scale))
     np.testing.assert_array_equal(np.asarray(meta.amax_history), np.asarray(history))
 
