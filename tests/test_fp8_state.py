@@ -182,3 +182,55 @@ def test_a_state_from_another_step_is_refused_by_name():
   with pytest.raises(ValueError, match="no fp8 matmul"):
     fp8.init(lambda p, x, y: jnp.sum(p["w1"]), _params(), x, y)
   del state
+
+
+@pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated:DeprecationWarning")
+def test_wrap_with_an_fp8_rule_is_flaxs_fp8_dot_general_op_bitwise():
+  """Oracle: Flax's own fp8 layer, ``nn.Fp8DotGeneralOp`` (flax/linen/fp8_ops.py,
+  Flax 0.12.8), in an MLP, against the plain MLP under wrap with an fp8 rule.
+  Flax's metadata is the gradient of its ``_overwrite_with_gradient``
+  collection; ours is in the state. Input scales change by steps so that the
+  delayed scales matter."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
+  class MLP(nn.Module):
+    cls: type = None
+
+    @nn.compact
+    def __call__(self, x):
+      kw = {} if self.cls is None else {"dot_general_cls": self.cls}
+      return nn.Dense(10, **kw)(nn.gelu(nn.Dense(32, **kw)(x)))
+
+  owg, length = "_overwrite_with_gradient", 8
+  x = jax.random.normal(jax.random.key(1), (16, 24)) * 300.0
+  y = jnp.arange(16) % 10
+  theirs = MLP(nn.Fp8DotGeneralOp)
+  variables = theirs.init(jax.random.key(0), x)
+  variables = {"params": variables["params"], owg: jax.tree.map(
+      lambda a: jnp.zeros((length,)) if a.shape == (1024,) else a, variables[owg])}
+  ours = jmp_lite.flax.wrap(MLP(), "f32", rules={nn.Dense: "p=f32,c=f32,o=f32,fp8=hybrid"})
+  xent = optax.softmax_cross_entropy_with_integer_labels
+  their_loss = lambda v, x: xent(theirs.apply(v, x), y).mean()
+  our_loss = lambda p, x: xent(ours.apply({"params": p}, x), y).mean()
+  params = variables["params"]
+  state = fp8.init(our_loss, params, x, history_length=length)
+  # Forward order: Dense_1 (the hidden layer, constructed second) first.
+  assert list(state.sites) == ["Dense_1", "Dense_0"]
+  their_step = jax.jit(jax.value_and_grad(their_loss))
+  our_step = jax.jit(lambda p, x, s: jmp_lite.value_and_grad(our_loss)(p, x, fp8=s))
+  for t in range(6):
+    xt = x * 10.0 ** (t % 3 - 1)
+    want, their_grads = their_step(variables, xt)
+    got, grads, _, state = our_step(params, xt, state)
+    assert float(got) == float(want)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(their_grads["params"])):
+      np.testing.assert_array_equal(a, b)
+    variables = {"params": jax.tree.map(lambda a, g: a - 1e-3 * g, variables["params"],
+                                        their_grads["params"]),
+                 owg: their_grads[owg]}
+    params = jax.tree.map(lambda a, g: a - 1e-3 * g, params, grads)
+    for site in ("Dense_0", "Dense_1"):
+      meta, theirs_meta = state.sites[site], variables[owg][site]["Fp8DotGeneralOp_0"]
+      for role, name in (("lhs", "input"), ("rhs", "kernel"), ("grad", "output_grad")):
+        np.testing.assert_array_equal(getattr(meta, role).amax_history,
+                                      theirs_meta[f"{name}_amax_history"])
