@@ -45,19 +45,19 @@ REFERENCE = {
             "steps": (192.0, 82.1), "fused_clip": (92.0, 82.1),
             "guard": (337.4, 31.6), "compiles": (53.7, 31.6),
             "memory": (29.7, 31.6), "imports": (72.2, 31.6),
-            "telemetry": (120.0, 31.6)}},
+            "telemetry": (120.0, 31.6), "fp8": (38.5, 82.2)}},
         "quick": {"startup_s": (2.2, 58.9), "seconds": {
             "all_finite": (8.5, 58.9), "matmul": (4.9, 58.9),
             "steps": (60.7, 58.9), "fused_clip": (18.3, 58.9),
             "guard": (36.7, 58.9), "compiles": (13.9, 58.9),
             "memory": (18.1, 58.9), "imports": (13.0, 58.9),
-            "telemetry": (60.0, 58.9)}},
+            "telemetry": (60.0, 58.9), "fp8": (20.0, 82.1)}},
         "dry": {"startup_s": (4.1, 62.8), "seconds": {
             "all_finite": (4.0, 62.8), "matmul": (3.9, 62.8),
             "steps": (58.0, 62.8), "fused_clip": (3.0, 62.8),
             "guard": (10.0, 62.8), "compiles": (11.0, 62.8),
             "memory": (20.0, 62.8), "imports": (6.5, 62.8),
-            "telemetry": (30.0, 62.8)}},
+            "telemetry": (30.0, 62.8), "fp8": (15.1, 60.5)}},
     },
 }
 

@@ -15,6 +15,7 @@ in the output and the run goes on with the next one.
 
 from bench.sections import all_finite
 from bench.sections import compiles
+from bench.sections import fp8
 from bench.sections import fused_clip
 from bench.sections import guard
 from bench.sections import imports
@@ -26,4 +27,4 @@ from bench.sections import telemetry
 # Later sections (the Flax `wrap` bench, an autocast bench, the examples' timings)
 # go here, in the order they should run.
 SECTIONS = {m.NAME: m for m in (all_finite, matmul, steps, fused_clip, guard,
-                                compiles, memory, imports, telemetry)}
+                                compiles, memory, imports, telemetry, fp8)}
