@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _exact
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._unscale import apply_updates
 from jmp_lite._dtypes import is_inexact
@@ -67,7 +68,9 @@ def written_nonfinite(updates: Any, params: Any, inner_state: Any, old_state: An
 
 def _newly_nonfinite(new: Any, old: Any) -> jax.Array:
   """Whether an element of ``new`` is NaN or inf where ``old`` is finite."""
-  bad = [jnp.any(~jnp.isfinite(n) & jnp.isfinite(o))
+  # Read through `_exact.widen`: what the narrow dtype holds, not a float32
+  # value XLA:GPU may have kept in its place.
+  bad = [jnp.any(~jnp.isfinite(_exact.widen(n)) & jnp.isfinite(_exact.widen(o)))
          for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old)) if is_inexact(n)]
   return jnp.any(jnp.stack(bad)) if bad else jnp.array(False)
 

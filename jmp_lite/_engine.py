@@ -242,6 +242,10 @@ def rewrite(closed, *, strict: bool = False, islands: bool = True,
   return _Rewriter(strict, islands, reduce_dtype, sink).closed(closed)
 
 
+# The name of the computation an eager call of `accumulate(fun)` compiles.
+ENGINE_JIT_NAME = "jmp_lite_engine"
+
+
 def accumulate(fun: Callable[..., Any], *, strict: bool = False,
                cache: bool = True, islands: bool = True,
                reduce_dtype=None, sink: bool = True) -> Callable[..., Any]:
@@ -255,7 +259,9 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
   passed as Python values, and so are non-array outputs (symbolic zeros).
   Called outside any transformation, the rewritten function runs compiled and
   is cached per argument structure and static values, so repeated eager
-  calls do not trace again.
+  calls do not trace again. With ``cache=False`` an eager call evaluates the
+  rewritten jaxpr equation by equation instead, as the function itself runs
+  eagerly (no fusion across its operations).
   """
   jitted: dict[Any, Callable[..., Any]] = {}
 
@@ -308,8 +314,12 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
       # The cached function closes over the static leaves only: holding the
       # first call's arrays would keep them alive as long as ``fun``.
       skeleton = [None if i in traced else x for i, x in enumerate(leaves)]
-      jitted[key] = jax.jit(
-          lambda *d: run(list(d), skeleton, traced, treedef))
+
+      def compiled(*d):
+        return run(list(d), skeleton, traced, treedef)
+      # Named, so that compilation logs (and tests) can tell it apart.
+      compiled.__name__ = compiled.__qualname__ = ENGINE_JIT_NAME
+      jitted[key] = jax.jit(compiled)
     return jitted[key](*dynamic)
 
   return rewritten

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _exact
 from jmp_lite import _replicas
 from jmp_lite._dtypes import is_floating
 
@@ -121,7 +122,9 @@ def statistics(x: jax.Array, tinies: tuple[float, ...], view=None) -> jax.Array:
   """
   if view is not None:
     x = x.astype(view)
-  a = jnp.abs(x).astype(jnp.float32)
+  # `_exact.widen`: the values of x's own dtype (an overflow is inf, a
+  # flushed value 0) even where XLA:GPU keeps a narrow x in float32.
+  a = jnp.abs(_exact.widen(x)).astype(jnp.float32)
   finite = jnp.isfinite(a)
   a = jnp.where(finite, a, 0.0)
   nonzero = a > 0

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _exact
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._dtypes import is_floating
 from jmp_lite._dtypes import is_inexact
@@ -57,23 +58,6 @@ class Factor(NamedTuple):
   exponent: jax.Array  # int32
 
 
-def _pow2(e: jax.Array, dtype) -> jax.Array:
-  """Exactly ``2**e`` in ``dtype`` for ``e`` in its normal exponent range.
-
-  Built from the bits: ``exp2`` is approximate on some backends.
-  """
-  info = jnp.finfo(dtype)
-  bits = info.nmant + 1  # mantissa bits, with the implicit one
-  int_dtype = jnp.int64 if info.bits == 64 else jnp.int32
-  biased = (e.astype(int_dtype) + (info.maxexp - 1)) << (bits - 1)
-  return jax.lax.bitcast_convert_type(biased, dtype)
-
-
-def _frexp(x: jax.Array) -> Factor:
-  m, e = jnp.frexp(x)
-  return Factor(m, e.astype(jnp.int32))
-
-
 def _normal_pair(factor: Factor, dtype) -> tuple[jax.Array, jax.Array]:
   """Two normal numbers of real ``dtype`` whose product is ``factor``.
 
@@ -84,19 +68,19 @@ def _normal_pair(factor: Factor, dtype) -> tuple[jax.Array, jax.Array]:
   info = jnp.finfo(dtype)
   e1 = jnp.clip(factor.exponent, info.minexp, info.maxexp - 1)
   e2 = jnp.clip(factor.exponent - e1, info.minexp, info.maxexp - 1)
-  return _pow2(e1, dtype), factor.mantissa.astype(dtype) * _pow2(e2, dtype)
+  return _exact.pow2(e1, dtype), factor.mantissa.astype(dtype) * _exact.pow2(e2, dtype)
 
 
 def apply_factor(g: jax.Array, factor: Factor) -> jax.Array:
   """``g * factor`` in ``g``'s wide dtype, with no subnormal intermediate factor."""
   wide = wide_dtype(g.dtype)
   a, b = _normal_pair(factor, real_wide_dtype(g.dtype))
-  return g.astype(wide) * a.astype(wide) * b.astype(wide)
+  return _exact.widen(g) * a.astype(wide) * b.astype(wide)
 
 
 def _abs2(g: jax.Array, dtype, pair=None) -> jax.Array:
   """``|g * a * b|**2`` elementwise in real ``dtype`` (both parts of complex ``g``)."""
-  x = g.astype(wide_dtype(g.dtype))
+  x = _exact.widen(g)
   parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
   out = 0
   for p in parts:
@@ -127,8 +111,9 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   low = [g for g in jax.tree.leaves(grads) if is_inexact(g) and not is_scaled(g)]
   dtype = norm_dtype(grads)
   scale = loss_scale.astype(dtype)
-  ms, es = _frexp(scale)
-  unscale = Factor(1 / ms, -es)  # 1/ms is in (1, 2]
+  ms, es = _exact.frexp(scale)
+  # Correctly rounded on every backend (XLA:GPU's division is not).
+  unscale = Factor(_exact.reciprocal(ms), -es)  # 1/ms is in (1, 2]
   if not leaves:
     finite = ls_lib.all_finite(low)
     zero = jnp.zeros((), dtype)
@@ -146,7 +131,7 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
     finite = ls_lib.all_finite(leaves)
     top = jnp.max(jnp.stack([_absmax(g, dtype) for g in leaves]))
     top = jnp.where(finite & (top > 0), top, 1)
-    _, et = _frexp(top)  # every |component| / 2**et <= 1
+    _, et = _exact.frexp(top)  # every |component| / 2**et <= 1
     half = et // 2  # 2**-et in two exact steps, each a normal number
     return finite, jnp.sqrt(_scaled_sumsq(leaves, dtype, half, et - half)), et
 
@@ -155,13 +140,14 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   if low:
     finite = finite & ls_lib.all_finite(low)
   # fast: the norm is `root` (already unscaled); slow: root * 2**et / scale.
-  r_m, r_e = _frexp(jnp.where(slow_path, root / ms, root))
-  norm = _ldexp(r_m, jnp.where(slow_path, r_e + et - es, r_e), dtype)
+  r_m, r_e = _exact.frexp(jnp.where(slow_path, _exact.divide(root, ms), root))
+  norm = _exact.ldexp(r_m, jnp.where(slow_path, r_e + et - es, r_e), dtype)
   if clip_norm is None:
     return NormInfo(finite, norm, unscale, unscale)
   # unscale * clip_norm / norm: fast = (c / root) / scale; slow = (c / root) / 2**et.
-  q_m, q_e = _frexp(jnp.asarray(clip_norm, dtype) / jnp.where(root > 0, root, 1))
-  clip_m = jnp.where(slow_path, q_m, q_m / ms)
+  q_m, q_e = _exact.frexp(_exact.divide(jnp.asarray(clip_norm, dtype),
+                                         jnp.where(root > 0, root, 1).astype(dtype)))
+  clip_m = jnp.where(slow_path, q_m, _exact.divide(q_m, ms))
   clip_e = jnp.where(slow_path, q_e - et, q_e - es)
   active = finite & (norm > clip_norm)
   clip = Factor(jnp.where(active, clip_m, unscale.mantissa),
@@ -171,23 +157,15 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
 
 def _absmax(g: jax.Array, dtype) -> jax.Array:
   """Largest magnitude of a real or imaginary part of ``g``, in real ``dtype``."""
-  x = g.astype(wide_dtype(g.dtype))
+  x = _exact.widen(g)
   parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
   return jnp.max(jnp.stack([jnp.max(jnp.abs(p)).astype(dtype) for p in parts]))
 
 
 def _scaled_sumsq(leaves, dtype, e1, e2):
   """``sum(|g * 2**-(e1 + e2)|**2)`` over ``leaves``, each factor a normal power of two."""
-  pair = (_pow2(-e1, dtype), _pow2(-e2, dtype))
+  pair = (_exact.pow2(-e1, dtype), _exact.pow2(-e2, dtype))
   return jnp.sum(jnp.stack([jnp.sum(_abs2(g, dtype, pair)) for g in leaves]))
-
-
-def _ldexp(m: jax.Array, e: jax.Array, dtype) -> jax.Array:
-  """``m * 2**e``, saturating to inf or 0 outside ``dtype``'s range."""
-  info = jnp.finfo(dtype)
-  e1 = jnp.clip(e, info.minexp, info.maxexp - 1)
-  e2 = jnp.clip(e - e1, info.minexp, info.maxexp - 1)
-  return m.astype(dtype) * _pow2(e1, dtype) * _pow2(e2, dtype)
 
 
 # What the inner optimizer of `with_loss_scale` sees.

@@ -263,13 +263,17 @@ def _forward_method(kwargs):
 def _linen_engine(method: str, reduce_dtype):
   """The engine's rewrite of ``init_with_output`` or ``apply``.
 
-  Cached per (wrapper, argument structure) inside: the wrapper is a static
-  argument (Linen modules hash by value), so repeated eager calls run one
-  compiled step instead of tracing again.
+  ``apply`` is cached per (wrapper, argument structure) inside: the wrapper
+  is a static argument (Linen modules hash by value), so repeated eager calls
+  run one compiled step instead of tracing again. ``init_with_output`` is not:
+  called eagerly it runs equation by equation, as the plain model's ``init``
+  does, so that the initialisers' arithmetic is not fused into one
+  computation (where XLA:GPU contracts multiply-adds into FMAs and the
+  parameters differ from the model's in the last bit).
   """
   fun = getattr(nn.Module, method)
   return _engine.accumulate(lambda m, *a, **k: fun(m, *a, **k),
-                            reduce_dtype=reduce_dtype)
+                            reduce_dtype=reduce_dtype, cache=method == "apply")
 
 
 @functools.cache

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _exact
 from jmp_lite import _replicas
 from jmp_lite import _struct
 from jmp_lite._dtypes import is_inexact
@@ -140,7 +141,7 @@ class StaticLossScale:
     return _multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
+    return _multiply(tree, _exact.reciprocal(self.loss_scale.astype(jnp.float32)))
 
   def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
     _check_flag(grads_finite, "StaticLossScale.adjust(grads_finite)")
@@ -285,7 +286,7 @@ class DynamicLossScale:
     return _multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
+    return _multiply(tree, _exact.reciprocal(self.loss_scale.astype(jnp.float32)))
 
   def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
     """Returns the next state dependent on whether grads are finite."""
@@ -300,7 +301,9 @@ class DynamicLossScale:
                       jnp.minimum(grown, self.max_loss_scale), scale)
     grow_now = self.counter >= self.period - 1
     back_off = self.hysteresis_left <= 1
-    shrunk = jnp.maximum(jnp.maximum(self.min_loss_scale, scale / self.factor),
+    # Correctly rounded on every backend: XLA:GPU's float32 division is not.
+    shrunk = jnp.maximum(jnp.maximum(self.min_loss_scale,
+                                     _exact.divide(scale, self.factor)),
                          jnp.float32(_F32_TINY))
     new_scale = jnp.where(finite, jnp.where(grow_now, grown, scale),
                           jnp.where(back_off, shrunk, scale))
@@ -360,13 +363,15 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
       parts = [jnp.real(p) + jnp.imag(p) if jnp.iscomplexobj(p) else p for p in parts]
       return jnp.sum(jnp.stack([p.astype(jnp.float32) for p in parts]))
 
+    # `_exact.widen`: a narrow leaf computed in the same program is read as
+    # its own format holds it (an overflow is inf), even where XLA:GPU would
+    # keep it in float32 (excess precision).
     def fast():
-      return jnp.isfinite(total([jnp.sum(x, dtype=wide_dtype(x.dtype)) for x in leaves]))
+      return jnp.isfinite(total([jnp.sum(_exact.widen(x)) for x in leaves]))
 
     def exact():
       # jnp.asarray: NumPy float64 leaves become what JAX makes of them.
-      return jnp.isfinite(total([jnp.sum(jnp.asarray(x) * 0, dtype=wide_dtype(x.dtype))
-                                 for x in leaves]))
+      return jnp.isfinite(total([jnp.sum(_exact.widen(x) * 0) for x in leaves]))
 
     # The true branch returns `ok` (True) rather than a constant so that both
     # branches have the same varying manual axes under `shard_map`.

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _exact
 from jmp_lite.policy import DTypeLike
 from jmp_lite._dtypes import is_floating
 from jmp_lite._dtypes import wide_dtype
@@ -103,19 +104,47 @@ class StochasticRoundState(NamedTuple):
 
 
 def _stochastic_round(x: jax.Array, dtype, key: jax.Array) -> jax.Array:
-  """Rounds float32 ``x`` to ``dtype``, up or down with probability by distance."""
-  nearest = x.astype(dtype)
-  near32 = nearest.astype(jnp.float32)
-  # The neighbour on the other side of x (same as nearest if x is exact).
-  toward = jnp.where(x > near32, jnp.asarray(jnp.inf, dtype), jnp.asarray(-jnp.inf, dtype))
-  other = jnp.nextafter(nearest, toward)
-  other32 = other.astype(jnp.float32)
+  """Rounds float32 ``x`` to ``dtype``, up or down with probability by distance.
+
+  Every rounding is explicit (`_exact.round_to`) and the neighbour is found on
+  the integer bits: XLA:GPU may otherwise keep ``x.astype(dtype)`` in float32
+  (excess precision), which makes ``nearest == x``, the gap zero and the
+  rounding always to nearest (biased).
+  """
+  near32 = _exact.round_to(x, dtype)
+  # The neighbour on the other side of x (same as nearest if x is exact),
+  # one step of the narrow format's bits away from nearest.
+  other32 = _exact.round_to(_step_toward(near32, x, dtype), dtype)
   gap = other32 - near32
   # Probability of `other`: distance from nearest over the gap (in [0, 1/2]).
   p_other = jnp.where(gap != 0, (x - near32) / jnp.where(gap != 0, gap, 1.0), 0.0)
   u = jax.random.uniform(key, x.shape, jnp.float32)
-  out = jnp.where(u < p_other, other, nearest)
-  return jnp.where(jnp.isfinite(x) & jnp.isfinite(other32), out, nearest)
+  out = jnp.where(u < p_other, other32, near32)
+  out = jnp.where(jnp.isfinite(x) & jnp.isfinite(other32), out, near32)
+  return out.astype(dtype)  # exact: out holds a value of dtype
+
+
+def _step_toward(v32: jax.Array, target: jax.Array, dtype) -> jax.Array:
+  """The next value of ``dtype`` after ``v32`` (one of its values) toward ``target``.
+
+  ``nextafter`` on the integer bits of the narrow format, as float32.
+  """
+  bits = jnp.finfo(dtype).bits
+  uint = {16: jnp.uint16, 8: jnp.uint8}[bits]
+  sign = 1 << (bits - 1)
+  b = jax.lax.bitcast_convert_type(v32.astype(dtype), uint).astype(jnp.int32)
+  up = target > v32
+  negative = (b & sign) != 0
+  magnitude = b & (sign - 1)
+  # Away from zero: magnitude + 1; toward zero: magnitude - 1; from a zero
+  # the smallest subnormal with target's sign.
+  away = up != negative
+  stepped = jnp.where(away, b + 1, b - 1)
+  from_zero = jnp.where(up, 1, sign | 1)
+  stepped = jnp.where(magnitude == 0, from_zero, stepped)
+  stepped = jnp.where(target == v32, b, stepped)
+  out = jax.lax.bitcast_convert_type(stepped.astype(uint), dtype)
+  return out.astype(jnp.float32)
 
 
 def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
@@ -157,7 +186,7 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
     def one(u, p, k):
       if not _is_low(p):
         return u
-      p32 = p.astype(jnp.float32)
+      p32 = _exact.widen(p)
       new = _stochastic_round(p32 + u.astype(jnp.float32), p.dtype, k)
       return new.astype(jnp.float32) - p32
 
@@ -217,9 +246,13 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
     def one(u, p, c):
       if not _is_low(p):
         return u, c
-      p32 = p.astype(jnp.float32)
-      y = u.astype(jnp.float32) + c.astype(jnp.float32)
-      new32 = (p32 + y).astype(p.dtype).astype(jnp.float32)
+      p32 = _exact.widen(p)
+      y = u.astype(jnp.float32) + _exact.widen(c).astype(jnp.float32)
+      # The rounding onto the parameter's dtype must happen for `applied` to
+      # be what the parameter receives; `(p32 + y).astype(p.dtype)` read back
+      # as float32 may be kept unrounded by XLA:GPU (excess precision), and
+      # the compensation is then always 0.
+      new32 = _exact.round_to(p32 + y, p.dtype)
       applied = new32 - p32
       return applied, (y - applied).astype(c.dtype)
 

@@ -1,7 +1,14 @@
 """Fixtures shared by the test modules (suite-wide JAX settings are in ../conftest.py)."""
 
+import pathlib
+import sys
+
 import jax
 import pytest
+
+# Test helpers that are modules of their own (`excess_precision`): importable
+# by name under `--import-mode=importlib`.
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 
 @pytest.fixture

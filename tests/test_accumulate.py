@@ -44,7 +44,10 @@ def test_matches_float32_dot_general(lhs_shape, rhs_shape, dims, dtype):
   k1, k2 = jax.random.split(jax.random.key(0))
   lhs = jax.random.normal(k1, lhs_shape).astype(dtype)
   rhs = jax.random.normal(k2, rhs_shape).astype(dtype)
-  got = jax.jit(dot_general_f32, static_argnums=2)(lhs, rhs, dims)
+  # The float32 reference is float32 arithmetic (a GPU's default is TF32,
+  # which the float32 case would otherwise run in).
+  with jax.default_matmul_precision("highest"):
+    got = jax.jit(dot_general_f32, static_argnums=2)(lhs, rhs, dims)
   ref = lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), dims,
                         precision=lax.Precision.HIGHEST)
   assert got.dtype == jnp.float32 and got.shape == ref.shape

@@ -206,3 +206,27 @@ def test_forced_gpu_plan_has_bf16_units():
   assert plan.platform == "gpu" and plan.bf16_units
   assert plan.assumed == (hw.platform != "gpu")
   assert plan_lib.make_plan(hw, None, dry_run=False).platform == hw.platform
+
+
+def test_the_gpu_script_records_the_device_and_splits_the_bench(tmp_path):
+  """`bench/gpu.sh` on the machine at hand: its info part runs and records
+  itself, an unknown part is refused, and the section names it splits come
+  first on each line of ``run.py --list``."""
+  script = os.path.join(ROOT, "bench", "gpu.sh")
+  env = dict(os.environ, GPU_RESULTS=str(tmp_path), PYTHON=sys.executable,
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run(["bash", script, "info"], env=env, capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert (tmp_path / "status.txt").read_text().split()[:2] == ["info", "0"]
+  log = (tmp_path / "info.log").read_text()
+  assert "jax" in log and "backend cpu" in log
+  bad = subprocess.run(["bash", script, "nonsense"], env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+  assert bad.returncode == 2 and "unknown part" in bad.stderr
+  # The split the script makes of `run.py --list`, done here the same way.
+  listed = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--list"],
+                          capture_output=True, text=True, timeout=300, check=True,
+                          env=env).stdout.split("\n")
+  names = [line.split()[0] for line in listed if line.strip()]
+  assert set(SECTIONS) <= set(names)

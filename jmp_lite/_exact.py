@@ -1,0 +1,164 @@
+"""Arithmetic whose result is the same bits on every XLA backend.
+
+Two defaults of XLA:GPU change numbers that the library's guarantees rest on:
+
+* **Excess precision.** With ``--xla_allow_excess_precision=true`` (the
+  default) XLA may keep a value that the program rounds to bfloat16 or
+  float16 in float32: it removes ``convert`` round trips
+  (``f32 -> f16 -> f32``) and computes narrow elementwise ops in float32. A
+  finiteness check of ``(p + u).astype(float16)`` then sees the finite
+  float32 sum, not the inf the parameter will hold; Kahan summation sees no
+  rounding error to compensate. XLA keeps a ``reduce-precision`` of a float32
+  value to fewer bits: the algebraic simplifier removes one only where it is
+  a no-op for its own element type. So every rounding the library relies on
+  is written as `round_to` on a float32 value, and every narrow value a check
+  reads is read through `widen`.
+* **Division.** XLA:GPU compiles float32 division to PTX ``div.full.f32``
+  (within 2 ulp, not correctly rounded), so ``x / 3`` differs in the last bit
+  from the CPU's. `divide` computes the correctly rounded quotient with
+  integer arithmetic instead, which every backend computes exactly.
+
+`pow2` and `ldexp` build powers of two from their bits, because ``exp2`` is
+approximate on some backends.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._dtypes import wide_dtype
+
+# Narrow formats with IEEE semantics (an exponent field of all ones is inf or
+# NaN), where `reduce_precision` rounds as `convert` does. e4m3fn and the
+# other "fn" formats use that exponent for finite values: not rounded here.
+_IEEE_NARROW = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float8_e5m2))
+
+
+def pow2(e: jax.Array, dtype) -> jax.Array:
+  """Exactly ``2**e`` in ``dtype`` for ``e`` in its normal exponent range."""
+  info = jnp.finfo(dtype)
+  bits = info.nmant + 1  # mantissa bits, with the implicit one
+  int_dtype = jnp.int64 if info.bits == 64 else jnp.int32
+  biased = (jnp.asarray(e).astype(int_dtype) + (info.maxexp - 1)) << (bits - 1)
+  return jax.lax.bitcast_convert_type(biased, dtype)
+
+
+def ldexp(m: jax.Array, e: jax.Array, dtype) -> jax.Array:
+  """``m * 2**e``, saturating to inf or 0 outside ``dtype``'s range.
+
+  Two multiplications by normal powers of two, so that no factor is
+  subnormal (XLA flushes subnormals to zero on CPUs and GPUs).
+  """
+  info = jnp.finfo(dtype)
+  e1 = jnp.clip(e, info.minexp, info.maxexp - 1)
+  e2 = jnp.clip(e - e1, info.minexp, info.maxexp - 1)
+  return jnp.asarray(m).astype(dtype) * pow2(e1, dtype) * pow2(e2, dtype)
+
+
+def frexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(m, e)`` with ``x = m * 2**e``, ``|m|`` in [0.5, 1) (JAX builds it from bits)."""
+  m, e = jnp.frexp(x)
+  return m, e.astype(jnp.int32)
+
+
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a / b`` correctly rounded (to nearest, ties to even), on every backend.
+
+  float32 results below the smallest normal are flushed to 0, as XLA flushes
+  them on CPUs and GPUs anyway. Zeros, infinities and NaN divide as IEEE
+  says. float64 divides as it is: XLA:GPU's
+  float64 division is IEEE.
+
+  The float32 quotient is the long division of the two 24-bit significands
+  in int32: 25 quotient bits (24 and a rounding bit) and a sticky remainder.
+  """
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  dtype = jnp.result_type(a, b)
+  if np.dtype(dtype) != np.float32:
+    return a / b
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  ma, ea = frexp(jnp.abs(a))
+  mb, eb = frexp(jnp.abs(b))
+  num = (ma * 2.0 ** 24).astype(jnp.int32)  # in [2**23, 2**24), exact
+  den = (mb * 2.0 ** 24).astype(jnp.int32)
+  den = jnp.where(den > 0, den, 1 << 23)  # special cases are replaced below
+  # Normalise so that num / den is in [1, 2): 25 quotient bits, top one set.
+  small = num < den
+  num = jnp.where(small, num << 1, num)  # < 2**25
+  rem, quot = num, jnp.zeros_like(num)
+  for _ in range(25):  # rem < 2 * den <= 2**25 throughout: no overflow
+    bit = rem >= den
+    quot = (quot << 1) | bit.astype(jnp.int32)
+    rem = (rem - jnp.where(bit, den, 0)) << 1
+  mant, round_bit = quot >> 1, quot & 1
+  sticky = rem != 0
+  up = (round_bit == 1) & (sticky | ((mant & 1) == 1))  # ties to even
+  mant = mant + up.astype(jnp.int32)
+  # mant <= 2**24 is exact in float32; value = mant * 2**(ea - eb - small - 23).
+  exp = ea - eb - small.astype(jnp.int32) - 23
+  out = ldexp(mant.astype(jnp.float32), exp, jnp.float32)
+  out = jnp.where(out < jnp.finfo(jnp.float32).tiny, 0.0, out)
+  negative = jnp.signbit(a) != jnp.signbit(b)
+  # IEEE's special cases, spelled out so that no float division is left.
+  nan = (jnp.isnan(a) | jnp.isnan(b) | (jnp.isinf(a) & jnp.isinf(b))
+         | ((a == 0) & (b == 0)))
+  inf = (jnp.isinf(a) | (b == 0)) & ~nan
+  zero = ((a == 0) | jnp.isinf(b)) & ~nan
+  out = jnp.where(zero, 0.0, jnp.where(inf, jnp.inf, out))
+  out = jnp.where(negative, -out, out)
+  return jnp.where(nan, jnp.nan, out)
+
+
+def reciprocal(x: jax.Array) -> jax.Array:
+  """``1 / x`` correctly rounded (see `divide`)."""
+  x = jnp.asarray(x)
+  return divide(jnp.ones((), x.dtype), x)
+
+
+def round_to(x: jax.Array, dtype) -> jax.Array:
+  """float32 ``x`` rounded to the nearest value of ``dtype``, kept in float32.
+
+  What ``x.astype(dtype).astype(float32)`` means (ties to even, overflow to
+  inf, NaN kept, the format's subnormals), in a form XLA must keep (see the
+  module docstring). Formats without IEEE infinities (``float8_e4m3fn``)
+  round through ``astype``, which XLA may elide. ``reduce_precision`` flushes values in the narrow
+  format's subnormal range to zero, so there a multiple of the subnormal
+  quantum is rounded instead (exact: scaling by powers of two). bfloat16's
+  subnormals are float32's, which XLA flushes anyway.
+  """
+  dtype = np.dtype(dtype)
+  x = jnp.asarray(x)
+  if dtype not in _IEEE_NARROW:
+    # fp8 "fn" formats and the like: no reduce-precision rounds as their
+    # convert does, so the plain round trip (which XLA may elide).
+    return x.astype(dtype).astype(x.dtype)
+  info = jnp.finfo(dtype)
+  out = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  tiny32 = float(jnp.finfo(jnp.float32).tiny)
+  quantum = float(info.smallest_subnormal)
+  if quantum < tiny32:  # bfloat16
+    return out
+  e = int(np.log2(quantum))  # a power of two: multiples of it below `tiny` round exactly
+  sub = jnp.round(x * pow2(-e, x.dtype)) * pow2(e, x.dtype)  # jnp.round: ties to even
+  return jnp.where(jnp.abs(x) < float(info.smallest_normal), sub, out)
+
+
+def widen(x: jax.Array) -> jax.Array:
+  """``x`` in its wide dtype, holding exactly the values ``x`` holds.
+
+  For a bfloat16, float16 or float8_e5m2 ``x``, the values are rounded to
+  ``x``'s format again in float32: a no-op on the values, but it forces the
+  rounding where XLA kept a narrow value in float32 (see the module
+  docstring). Any other dtype is cast as it is.
+
+  XLA's own use of the same barrier: JAX marks remat'd values with
+  ``reduce_precision`` so that ``SimplifyFPConversions`` cannot elide their
+  rounding (jax-ml/jax#22244).
+  """
+  x = jnp.asarray(x)
+  wide = wide_dtype(x.dtype)
+  if np.dtype(x.dtype) not in _IEEE_NARROW:
+    return x.astype(wide)
+  return round_to(x.astype(jnp.float32), x.dtype).astype(wide)
