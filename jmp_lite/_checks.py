@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 from jmp_lite import _exact
+from jmp_lite import _reduce
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._unscale import apply_updates
 from jmp_lite._dtypes import is_inexact
@@ -43,36 +44,68 @@ def written_nonfinite(updates: Any, params: Any, inner_state: Any, old_state: An
   What is refused is a value that was finite becoming NaN or inf. Some
   optimizers keep inf in their state on purpose (``reduce_on_plateau``'s best
   value, lbfgs's previous value before the first step), and a parameter that
-  was already non-finite is not this step's doing. In the common case this is
-  one reduction over what the step writes: when all of it is finite there is
-  nothing to compare. Only otherwise are the new values compared with the old
-  ones, element by element.
+  was already non-finite is not this step's doing. Each flag is one pass,
+  with one reduction per distinct shape (`jmp_lite._reduce`) and no
+  conditional: a `cond` around the rare comparison compiled its reductions
+  all the same and kept XLA from fusing the check with the update.
   """
-  new_params = None if params is None else apply_updates(params, updates)
-  ok = ls_lib.all_finite((updates if params is None else new_params, inner_state))
+  if params is None:
+    return ~ls_lib.all_finite(updates), jnp.array(False), _newly_nonfinite(
+        inner_state, old_state)
+  new_params = apply_updates(params, updates)
+  return (_newly_nonfinite(updates, params), _newly_nonfinite(new_params, params),
+          _newly_nonfinite(inner_state, old_state))
 
-  # `ok & ~ok` is False and varies over shard_map axes as `ok` does (every
-  # input of `ok`): both branches' flags then have the same type.
-  false = ok & ~ok
 
-  def which():
-    if params is None:
-      u_bad, p_bad = ~ls_lib.all_finite(updates), false
-    else:
-      u_bad = _newly_nonfinite(updates, params)
-      p_bad = _newly_nonfinite(new_params, params)
-    return tuple(f | false for f in (u_bad, p_bad, _newly_nonfinite(inner_state, old_state)))
+def raise_if_stalled(stalled, limit: int, updates, params, new_state, old_state) -> None:
+  """Raises (from the compiled step) once ``stalled`` reaches ``limit``.
 
-  return jax.lax.cond(ok, lambda: (false, false, false), which)
+  A host callback inside a ``cond``: nothing is transferred on the steps that
+  do not stall. It receives what the step would have written and names the
+  arrays where a finite value became NaN or inf.
+  """
+  def report(count, updates, params, new_state, old_state):
+    with np.errstate(all="ignore"):  # the overflow being reported
+      new_params = None if params is None else jax.tree.map(
+          lambda p, u: (np.asarray(p, np.float64) + np.asarray(u, np.float64)).astype(
+              np.asarray(p).dtype), params, updates)
+    where = []
+    for label, new, old in (("updates", updates, params if params is not None else updates),
+                            ("params + updates", new_params, params),
+                            ("optimizer state", new_state, old_state)):
+      if new is None:
+        continue
+      flat_new = jax.tree_util.tree_flatten_with_path(new)[0]
+      for (path, n), o in zip(flat_new, jax.tree.leaves(old)):
+        n, o = np.asarray(n), np.asarray(o)
+        if n.dtype.kind in "fc" and (~np.isfinite(n) & np.isfinite(o)).any():
+          where.append(f"{label} {jax.tree_util.keystr(path) or '(root)'}")
+    raise FloatingPointError(
+        f"with_loss_scale: {int(count)} steps in a row were skipped although the "
+        "gradients were finite: what the step would write overflows, and "
+        "lowering the loss scale cannot help. Non-finite: "
+        f"{', '.join(where[:8]) or 'nothing (another replica)'}"
+        f"{' ...' if len(where) > 8 else ''}. Lower the learning rate, clip the "
+        "gradients (clip_norm=), keep these parameters in float32, or pass "
+        "max_stalled_steps=None to keep skipping.")
+
+  jax.lax.cond(stalled >= limit,
+               lambda: jax.debug.callback(report, stalled, updates, params, new_state,
+                                          old_state),
+               lambda: None)
 
 
 def _newly_nonfinite(new: Any, old: Any) -> jax.Array:
-  """Whether an element of ``new`` is NaN or inf where ``old`` is finite."""
-  # Read through `_exact.widen`: what the narrow dtype holds, not a float32
-  # value XLA:GPU may have kept in its place.
-  bad = [jnp.any(~jnp.isfinite(_exact.widen(n)) & jnp.isfinite(_exact.widen(o)))
-         for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old)) if is_inexact(n)]
-  return jnp.any(jnp.stack(bad)) if bad else jnp.array(False)
+  """Whether an element of ``new`` is NaN or inf where ``old`` is finite.
+
+  One reduction per distinct shape (`jmp_lite._reduce`). Read through
+  `_exact.widen`: what the narrow dtype holds, not a float32 value XLA:GPU
+  may have kept in its place.
+  """
+  pairs = [(n, o) for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old))
+           if is_inexact(n)]
+  return _reduce.any_of_pairs(
+      pairs, lambda n, o: ~jnp.isfinite(_exact.widen(n)) & jnp.isfinite(_exact.widen(o)))
 
 
 def is_concrete(tree: Any, numbers: bool = True) -> bool:
@@ -87,19 +120,29 @@ def is_concrete(tree: Any, numbers: bool = True) -> bool:
 
 
 def inside_multisteps() -> bool:
-  """Whether ``init`` was called by ``optax.MultiSteps.init``.
+  """Whether ``init`` was called, at any depth, by ``optax.MultiSteps.init``.
 
   MultiSteps resets its accumulator by multiplying it by zero, so one
   overflowing micro-batch leaves NaN in it for good; nothing inside the
   wrapped optimizer can undo that. MultiSteps has no hook at construction, so
-  the first moment to refuse it is its ``init``, which calls ours directly or
-  through a chain or two (hence a few frames up).
+  the first moment to refuse it is its ``init``, which calls ours through any
+  number of chains. (`multisteps_around` refuses the state itself, wherever
+  it was built.)
   """
   frame = sys._getframe(2)  # skips this function and our init
-  for _ in range(3):
-    if frame is None:
-      return False
-    if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
+  code = optax.MultiSteps.init.__code__
+  while frame is not None:
+    if frame.f_code is code:
       return True
     frame = frame.f_back
+  return False
+
+
+def multisteps_around(opt_state: Any, is_target) -> bool:
+  """Whether a leaf ``is_target`` accepts sits inside an ``optax.MultiStepsState``."""
+  is_multi = lambda x: isinstance(x, optax.MultiStepsState)
+  for node in jax.tree_util.tree_leaves(opt_state, is_leaf=is_multi):
+    if is_multi(node) and any(
+        is_target(x) for x in jax.tree_util.tree_leaves(node, is_leaf=is_target)):
+      return True
   return False

@@ -58,9 +58,23 @@ def ldexp(m: jax.Array, e: jax.Array, dtype) -> jax.Array:
 
 
 def frexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(m, e)`` with ``x = m * 2**e``, ``|m|`` in [0.5, 1) (JAX builds it from bits)."""
-  m, e = jnp.frexp(x)
-  return m, e.astype(jnp.int32)
+  """``(m, e)`` with ``x = m * 2**e``, ``|m|`` in [0.5, 1); zeros, subnormals
+  (which XLA flushes), infinities and NaN give ``(x, 0)`` (subnormals: ``0``).
+
+  float32 from the bits, in a dozen scalar ops: ``jnp.frexp`` takes about
+  forty, and XLA copies them into every fusion that reads the result.
+  """
+  x = jnp.asarray(x)
+  if np.dtype(x.dtype) != np.float32:
+    m, e = jnp.frexp(x)
+    return m, e.astype(jnp.int32)
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+  field = (bits >> 23) & 0xFF
+  normal = (field != 0) & (field != 0xFF)
+  # Sign and mantissa kept, exponent field set to 126: a value in [0.5, 1).
+  m = jax.lax.bitcast_convert_type((bits & ~0x7F800000) | 0x3F000000, jnp.float32)
+  m = jnp.where(normal, m, jnp.where(field == 0, x * 0, x))
+  return m, jnp.where(normal, field - 126, 0)
 
 
 def divide(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -87,11 +101,13 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   # Normalise so that num / den is in [1, 2): 25 quotient bits, top one set.
   small = num < den
   num = jnp.where(small, num << 1, num)  # < 2**25
-  rem, quot = num, jnp.zeros_like(num)
-  for _ in range(25):  # rem < 2 * den <= 2**25 throughout: no overflow
-    bit = rem >= den
-    quot = (quot << 1) | bit.astype(jnp.int32)
-    rem = (rem - jnp.where(bit, den, 0)) << 1
+  # Long division in chunks of 7 bits, each an int32 division: the
+  # remainder stays below den < 2**24, so `rem << 7` fits in 31 bits.
+  quot, rem = num // den, num % den  # the leading bit: 1
+  for bits in (7, 7, 7, 3):  # 1 + 24 quotient bits
+    shifted = rem << bits
+    digit = shifted // den
+    quot, rem = (quot << bits) | digit, shifted - digit * den
   mant, round_bit = quot >> 1, quot & 1
   sticky = rem != 0
   up = (round_bit == 1) & (sticky | ((mant & 1) == 1))  # ties to even

@@ -341,7 +341,8 @@ def fp8_sites(fun, args, kwargs, fp8: Fp8Selection) -> list[tuple[str, tuple, tu
 
 def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
                    mode: Optional[str] = None, what_if: Sequence[Any] = (),
-                   fp8: Optional[Fp8Selection] = None) -> Callable[..., Any]:
+                   fp8: Optional[Fp8Selection] = None,
+                   allow_int: bool = False) -> Callable[..., Any]:
   """``jax.value_and_grad(fun, argnums, has_aux=True)`` with probes and fp8 sites.
 
   Returns ``g(gate, fp8_state, *args, **kwargs) -> ((value, aux), grads),
@@ -375,7 +376,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
       # takes them without the sum a replicated input's gradient gets.
       carrier = jax.lax.pcast(carrier, _replicas.manual_axes(), to="varying")
     (value, aux), grads = jax.value_and_grad(probed, argnums=(0, *shifted),
-                                             has_aux=True)(carrier, *args, **kwargs)
+                                             has_aux=True, allow_int=allow_int)(carrier, *args, **kwargs)
     rows = [(p.path, p.dtype, a) for p, a in decode(grads[0], plan) if p.recipe is None]
     amax = {name: grads[0][idx] for name, _, idx in slots}
     return ((value, aux), tuple(grads[1:])), rows, amax

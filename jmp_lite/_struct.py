@@ -113,10 +113,22 @@ def as_scalar(value: Any, dtype, name: str, *, warn_non_floating: bool = False):
   return jnp.asarray(stored, dtype), float(stored)
 
 
-def check_positive_finite(value: Optional[float], name: str, *, allow_zero=False):
+def check_positive_finite(value: Optional[float], name: str, *, allow_zero=False,
+                          normal=False):
+  """Raises ValueError unless ``value`` is finite and positive (or zero).
+
+  With ``normal``, also unless a nonzero value is at least float32's smallest
+  normal: XLA flushes subnormal float32 to zero on CPUs and GPUs, so a
+  subnormal loss scale zeroes every gradient and no step is ever skipped.
+  """
   if value is None:
     return
   ok = np.isfinite(value) and (value >= 0 if allow_zero else value > 0)
   if not ok:
     bound = ">= 0" if allow_zero else "> 0"
     raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+  tiny = float(np.finfo(np.float32).tiny)
+  if normal and value != 0 and value < tiny:
+    raise ValueError(
+        f"{name}={value!r} is below float32's smallest normal number ({tiny:.8g}): "
+        "XLA flushes it to zero, and every scaled gradient with it.")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _exact
+from jmp_lite import _reduce
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._dtypes import is_floating
 from jmp_lite._dtypes import is_inexact
@@ -71,13 +72,6 @@ def _normal_pair(factor: Factor, dtype) -> tuple[jax.Array, jax.Array]:
   return _exact.pow2(e1, dtype), factor.mantissa.astype(dtype) * _exact.pow2(e2, dtype)
 
 
-def apply_factor(g: jax.Array, factor: Factor) -> jax.Array:
-  """``g * factor`` in ``g``'s wide dtype, with no subnormal intermediate factor."""
-  wide = wide_dtype(g.dtype)
-  a, b = _normal_pair(factor, real_wide_dtype(g.dtype))
-  return _exact.widen(g) * a.astype(wide) * b.astype(wide)
-
-
 def _abs2(g: jax.Array, dtype, pair=None) -> jax.Array:
   """``|g * a * b|**2`` elementwise in real ``dtype`` (both parts of complex ``g``)."""
   x = _exact.widen(g)
@@ -96,6 +90,7 @@ class NormInfo(NamedTuple):
   norm: jax.Array  # unscaled global norm (inf if beyond the dtype's range)
   unscale: Factor  # 1 / loss_scale
   clip: Factor  # the unscale factor times min(1, clip_norm / norm)
+  clip_pair: tuple  # `clip` as two normal numbers of the norm's dtype
 
 
 def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
@@ -112,60 +107,72 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   dtype = norm_dtype(grads)
   scale = loss_scale.astype(dtype)
   ms, es = _exact.frexp(scale)
-  # Correctly rounded on every backend (XLA:GPU's division is not).
-  unscale = Factor(_exact.reciprocal(ms), -es)  # 1/ms is in (1, 2]
+  # 1/ms is in (1, 2], exact for a power-of-two scale (ms = 1/2) on every
+  # backend. (Not `_exact.divide`: XLA duplicates its scalar ops into every
+  # per-leaf fusion that reads the factor, which costs compile time.)
+  unscale = Factor(1 / ms, -es)
   if not leaves:
     finite = ls_lib.all_finite(low)
     zero = jnp.zeros((), dtype)
-    return NormInfo(finite, zero, unscale, unscale)
+    return NormInfo(finite, zero, unscale, unscale, _normal_pair(unscale, dtype))
   # 1/scale is subnormal for scales above 2**126: unscale in two steps.
   inv = _normal_pair(unscale, dtype)
-  sq = jnp.sum(jnp.stack([jnp.sum(_abs2(g, dtype, inv)) for g in leaves]))
+  # One reduction per distinct shape (`_reduce`), not one per leaf.
+  sq = _reduce.sum_of(leaves, lambda g: _abs2(g, dtype, inv), dtype)
+
+  low_finite = ls_lib.all_finite(low) if low else None
+
+  def finish(finite, root, et, slow: bool) -> NormInfo:
+    """The norm and the factors from ``root``; inside the `cond`, so that the
+    scalars are computed once: XLA would fuse (and so duplicate) their few
+    dozen scalar ops into every per-leaf computation that reads them."""
+    if low_finite is not None:
+      finite = finite & low_finite
+    # fast: the norm is `root` (already unscaled); slow: root * 2**et / scale.
+    r_m, r_e = _exact.frexp(root / ms if slow else root)
+    norm = _exact.ldexp(r_m, r_e + et - es if slow else r_e, dtype)
+    if clip_norm is None:
+      clip = unscale
+    else:
+      # unscale * clip_norm / norm: fast = (c / root) / scale; slow = (c / root) / 2**et.
+      q_m, q_e = _exact.frexp(jnp.asarray(clip_norm, dtype) / jnp.where(root > 0, root, 1))
+      clip_m, clip_e = (q_m, q_e - et) if slow else (q_m / ms, q_e - es)
+      active = finite & (norm > clip_norm)
+      clip = Factor(jnp.where(active, clip_m, unscale.mantissa),
+                    jnp.where(active, clip_e, unscale.exponent))
+    return NormInfo(finite, norm, unscale, clip, _normal_pair(clip, dtype))
 
   def fast():
-    # sqrt(sq) is the unscaled norm. True and 0 are derived from `sq` rather
-    # than constants so that they vary over shard_map axes as `slow`'s do.
-    return jnp.isfinite(sq), jnp.sqrt(sq), jnp.isnan(sq).astype(jnp.int32)
+    # sqrt(sq) is the unscaled norm. The exponent 0 is derived from `sq`
+    # rather than a constant so that it varies over shard_map axes as
+    # `slow`'s does.
+    return finish(jnp.isfinite(sq), jnp.sqrt(sq), jnp.isnan(sq).astype(jnp.int32),
+                  slow=False)
 
   def slow():
     finite = ls_lib.all_finite(leaves)
-    top = jnp.max(jnp.stack([_absmax(g, dtype) for g in leaves]))
+    top = _reduce.max_of(leaves, lambda g: _abs_parts(g, dtype), dtype)
     top = jnp.where(finite & (top > 0), top, 1)
     _, et = _exact.frexp(top)  # every |component| / 2**et <= 1
     half = et // 2  # 2**-et in two exact steps, each a normal number
-    return finite, jnp.sqrt(_scaled_sumsq(leaves, dtype, half, et - half)), et
+    root = jnp.sqrt(_scaled_sumsq(leaves, dtype, half, et - half))
+    return finish(finite, root, et, slow=True)
 
-  slow_path = ~jnp.isfinite(sq)
-  finite, root, et = jax.lax.cond(slow_path, slow, fast)
-  if low:
-    finite = finite & ls_lib.all_finite(low)
-  # fast: the norm is `root` (already unscaled); slow: root * 2**et / scale.
-  r_m, r_e = _exact.frexp(jnp.where(slow_path, _exact.divide(root, ms), root))
-  norm = _exact.ldexp(r_m, jnp.where(slow_path, r_e + et - es, r_e), dtype)
-  if clip_norm is None:
-    return NormInfo(finite, norm, unscale, unscale)
-  # unscale * clip_norm / norm: fast = (c / root) / scale; slow = (c / root) / 2**et.
-  q_m, q_e = _exact.frexp(_exact.divide(jnp.asarray(clip_norm, dtype),
-                                         jnp.where(root > 0, root, 1).astype(dtype)))
-  clip_m = jnp.where(slow_path, q_m, _exact.divide(q_m, ms))
-  clip_e = jnp.where(slow_path, q_e - et, q_e - es)
-  active = finite & (norm > clip_norm)
-  clip = Factor(jnp.where(active, clip_m, unscale.mantissa),
-                jnp.where(active, clip_e, unscale.exponent))
-  return NormInfo(finite, norm, unscale, clip)
+  return jax.lax.cond(~jnp.isfinite(sq), slow, fast)
 
 
-def _absmax(g: jax.Array, dtype) -> jax.Array:
-  """Largest magnitude of a real or imaginary part of ``g``, in real ``dtype``."""
+def _abs_parts(g: jax.Array, dtype) -> jax.Array:
+  """Elementwise the larger magnitude of ``g``'s real and imaginary parts."""
   x = _exact.widen(g)
-  parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
-  return jnp.max(jnp.stack([jnp.max(jnp.abs(p)).astype(dtype) for p in parts]))
+  if jnp.iscomplexobj(x):
+    return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x))).astype(dtype)
+  return jnp.abs(x).astype(dtype)
 
 
 def _scaled_sumsq(leaves, dtype, e1, e2):
   """``sum(|g * 2**-(e1 + e2)|**2)`` over ``leaves``, each factor a normal power of two."""
   pair = (_exact.pow2(-e1, dtype), _exact.pow2(-e2, dtype))
-  return jnp.sum(jnp.stack([jnp.sum(_abs2(g, dtype, pair)) for g in leaves]))
+  return _reduce.sum_of(leaves, lambda g: _abs2(g, dtype, pair), dtype)
 
 
 # What the inner optimizer of `with_loss_scale` sees.
@@ -186,12 +193,21 @@ def for_inner(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
-def grads_for_inner(grads: Any, factor: Factor) -> Any:
+def grads_for_inner(grads: Any, info: NormInfo) -> Any:
   """Unscaled (and clipped) gradients in float32/float64/complex; None for non-floats."""
+  pairs = {np.dtype(info.clip_pair[0].dtype): info.clip_pair}
+
   def one(g):
     if not is_inexact(g):
       return None
-    return apply_factor(g, factor) if is_scaled(g) else g
+    if not is_scaled(g):
+      return g
+    real = real_wide_dtype(g.dtype)
+    if real not in pairs:  # float32 leaves beside float64 ones
+      pairs[real] = _normal_pair(info.clip, real)
+    a, b = pairs[real]
+    wide = wide_dtype(g.dtype)
+    return _exact.widen(g) * a.astype(wide) * b.astype(wide)
   return jax.tree.map(one, grads)
 
 
@@ -204,6 +220,21 @@ def fill_updates(updates: Any, like: Any) -> Any:
       return x
     return jnp.zeros(np.shape(x), x.dtype)
   return jax.tree.map(one, updates, like, is_leaf=lambda u: u is None)
+
+
+def strongly_typed(tree: Any) -> Any:
+  """``tree`` with weakly typed leaves (from Python scalars) made strongly typed.
+
+  What a step writes into the state is strongly typed (`cast_like`); a state
+  that started weakly typed would change type after the first step and
+  compile the step a second time.
+  """
+  def one(x):
+    if getattr(x, "weak_type", False) and (
+        is_inexact(x) or jnp.issubdtype(x.dtype, jnp.integer)):
+      return jax.lax.convert_element_type(x, x.dtype)
+    return x
+  return jax.tree.map(one, tree)
 
 
 def cast_like(new: Any, old: Any) -> Any:

@@ -366,7 +366,7 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
     (['mlp', 'mlp#2'], 16)
   """
   from jmp_lite import _instrument  # pylint: disable=import-outside-toplevel
-  from jmp_lite import training  # pylint: disable=import-outside-toplevel
+  from jmp_lite import _scaled_grad  # pylint: disable=import-outside-toplevel
   from jmp_lite.policy import FP8_RECIPES  # pylint: disable=import-outside-toplevel
   if recipe not in FP8_RECIPES:
     raise ValueError(f"recipe must be one of {sorted(FP8_RECIPES)}, got {recipe!r}")
@@ -374,7 +374,7 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
     raise TypeError(f"select must be None or a regular expression string, got {select!r}")
   DelayedScaling.create(history_length=history_length, margin=margin,
                         algorithm=algorithm)  # checks the options
-  found = training._fp8_sites(  # pylint: disable=protected-access
+  found = _scaled_grad.fp8_sites(
       fun, args, kwargs, argnums=argnums, has_aux=has_aux, policy=policy,
       selection=_instrument.Fp8Selection(select, recipe))
   if not found:

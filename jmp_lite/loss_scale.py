@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _exact
+from jmp_lite import _reduce
 from jmp_lite import _replicas
 from jmp_lite import _struct
 from jmp_lite._dtypes import is_inexact
@@ -134,14 +135,14 @@ class StaticLossScale:
 
   def __post_init__(self):
     scale, host = _struct.as_scalar(self.loss_scale, jnp.float32, "loss_scale")
-    _struct.check_positive_finite(host, "StaticLossScale.loss_scale")
+    _struct.check_positive_finite(host, "StaticLossScale.loss_scale", normal=True)
     object.__setattr__(self, "loss_scale", scale)
 
   def scale(self, tree: T) -> T:
     return _multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _multiply(tree, _exact.reciprocal(self.loss_scale.astype(jnp.float32)))
+    return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
 
   def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
     _check_flag(grads_finite, "StaticLossScale.adjust(grads_finite)")
@@ -231,7 +232,7 @@ class DynamicLossScale:
     name = "DynamicLossScale"
     scale, s = _struct.as_scalar(self.loss_scale, jnp.float32, "loss_scale",
                           warn_non_floating=True)
-    _struct.check_positive_finite(s, f"{name}.loss_scale")
+    _struct.check_positive_finite(s, f"{name}.loss_scale", normal=True)
     counter, c = _struct.as_scalar(self.counter, jnp.int32, "counter")
     if c is not None and c < 0:
       raise ValueError(f"{name}.counter must be >= 0, got {self.counter!r}")
@@ -286,7 +287,7 @@ class DynamicLossScale:
     return _multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _multiply(tree, _exact.reciprocal(self.loss_scale.astype(jnp.float32)))
+    return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
 
   def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
     """Returns the next state dependent on whether grads are finite."""
@@ -330,13 +331,14 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   NaN, +inf and -inf in any floating dtype (float64 to float8), or in either
   part of a complex number, make it False; integer and other non-floating leaves are ignored; an empty tree is True.
 
-  The common case costs one pass: the sum of a leaf is finite only if every
-  element is (NaN and inf propagate through addition), so one float32 sum per
-  leaf decides a clean step at the speed of a plain sum-reduce. Only when that
-  sum is not finite, which an overflow of large finite values can also cause,
-  does an exact check run (``sum(x * 0)``: NaN for any inf or NaN, 0
-  otherwise). The tempting ``max(abs(x)) < inf`` is wrong on XLA's CPU
-  backend, whose max ignores NaN.
+  One exact pass: ``x * 0`` is 0 for every finite element and NaN for an inf
+  or NaN, and its float32 sum is NaN exactly when a leaf holds one (a plain
+  sum can also overflow from large finite values). Leaves of the same shape
+  are combined element by element before they are reduced, so the check
+  compiles to one reduction per distinct shape (`jmp_lite._reduce`). The
+  tempting ``max(abs(x)) < inf`` is wrong on XLA's CPU backend, whose max
+  ignores NaN. Narrow leaves are read as their format holds them, also where
+  XLA:GPU keeps them in float32 (`jmp_lite._exact.widen`).
 
   Args:
     tree: any pytree.
@@ -354,33 +356,20 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   leaves = [jnp.asarray(x) if isinstance(x, float) else x
             for x in jax.tree_util.tree_leaves(tree)]
   leaves = [x for x in leaves if is_inexact(x)]
-  if not leaves:
-    finite = jnp.array(True)
-  else:
-    def total(parts):
-      # A complex sum is finite only if both parts are; NaN and inf survive
-      # real + imag (inf - inf is NaN).
-      parts = [jnp.real(p) + jnp.imag(p) if jnp.iscomplexobj(p) else p for p in parts]
-      return jnp.sum(jnp.stack([p.astype(jnp.float32) for p in parts]))
-
-    # `_exact.widen`: a narrow leaf computed in the same program is read as
-    # its own format holds it (an overflow is inf), even where XLA:GPU would
-    # keep it in float32 (excess precision).
-    def fast():
-      return jnp.isfinite(total([jnp.sum(_exact.widen(x)) for x in leaves]))
-
-    def exact():
-      # jnp.asarray: NumPy float64 leaves become what JAX makes of them.
-      return jnp.isfinite(total([jnp.sum(_exact.widen(x) * 0) for x in leaves]))
-
-    # The true branch returns `ok` (True) rather than a constant so that both
-    # branches have the same varying manual axes under `shard_map`.
-    ok = fast()
-    finite = jax.lax.cond(ok, lambda: ok, exact)
+  finite = jnp.isfinite(_reduce.sum_of(leaves, _times_zero, jnp.float32))
   if axis_name is not None:
     bad = jax.lax.psum((~finite).astype(jnp.int32), axis_name)
     finite = bad == 0
   return finite
+
+
+def _times_zero(x) -> jax.Array:
+  """``x * 0`` (real): 0 where ``x`` is finite, NaN where it is inf or NaN.
+
+  For complex ``x`` both parts count (NaN survives ``real + imag``).
+  """
+  z = _exact.widen(x) * 0
+  return jnp.real(z) + jnp.imag(z) if jnp.iscomplexobj(z) else z
 
 
 def select_tree(pred: jax.Array, a: T, b: T) -> T:

@@ -42,7 +42,7 @@ with fresh zeros, and the loss scale stays fixed within an accumulation.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,12 @@ import numpy as np
 import optax
 
 from jmp_lite import _checks
+from jmp_lite._guard_state import LossScaleState
+from jmp_lite._guard_state import NonFinite
+from jmp_lite._guard_state import find_loss_scale_state
+from jmp_lite._guard_state import get_loss_scale
+from jmp_lite._guard_state import _contains_loss_scale_state
+from jmp_lite._guard_state import _no_nonfinite
 from jmp_lite import _replicas
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
@@ -79,60 +85,9 @@ __all__ = (
     "with_state_dtype",
 )
 
-
-class NonFinite(NamedTuple):
-  """Which part of the last step was not finite: one bool scalar each.
-
-  ``grads`` covers the gradients (and, with accumulation, any micro-batch of
-  the step or their sum); the others are checked only when the gradients were
-  finite, and are False otherwise.
-  """
-
-  grads: jax.Array
-  updates: jax.Array
-  params: jax.Array  # params + updates, in the parameters' dtypes
-  opt_state: jax.Array  # the inner optimizer's new state
-
-
-def _no_nonfinite() -> NonFinite:
-  false = jnp.array(False)
-  return NonFinite(false, false, false, false)
-
-
-class LossScaleState(NamedTuple):
-  """State of `with_loss_scale`.
-
-  Attributes:
-    loss_scale: the loss scale to scale the next loss with.
-    inner_state: the wrapped optimizer's state (frozen on skipped steps).
-    skipped: bool, whether the last completed step was skipped.
-    skipped_steps: int32, how many steps were skipped so far.
-    grad_norm: global norm of the last applied step's unscaled gradients,
-      before clipping (float32; float64 when a gradient is float64). A
-      skipped step leaves it unchanged, and a norm beyond the dtype's range is
-      stored as its largest value, so it is always finite.
-    nonfinite: `NonFinite`, why the last completed step was skipped.
-    mini_step: int32, micro-batches accumulated so far in this step.
-    acc_grads: float32 sum of scaled micro-batch gradients (``()`` when
-      ``accumulate_steps == 1``); only finite sums are kept.
-    acc_finite: bool, whether every micro-batch of this step was finite.
-    fp8: the `jmp_lite.fp8.Fp8State` of the step's fp8 matmuls, or None.
-      Metadata beside the loss scale, never a gradient: the maxima the step
-      observed (``update``'s ``fp8_amax``) are max-reduced over micro-batches
-      and replicas and recorded once per step, skipped or not, and the
-      gradient histories follow the loss scale when it changes.
-  """
-
-  loss_scale: ls_lib.LossScale
-  inner_state: optax.OptState
-  skipped: jax.Array
-  skipped_steps: jax.Array
-  grad_norm: jax.Array
-  nonfinite: NonFinite
-  mini_step: jax.Array
-  acc_grads: Any
-  acc_finite: jax.Array
-  fp8: Any = None
+# Defined beside the guard's state logic; documented, pickled and shown as here.
+for _public in (LossScaleState, NonFinite, find_loss_scale_state, get_loss_scale):
+  _public.__module__ = __name__
 
 
 def _adjust(loss_scale, finite, measured):
@@ -179,11 +134,6 @@ def _no_op_updates(update_fn) -> Any:
   return jax.tree.map(lambda s: jnp.full_like(s, -0.0), shapes)
 
 
-def _contains_loss_scale_state(tree: Any) -> bool:
-  return any(isinstance(x, LossScaleState) for x in jax.tree_util.tree_leaves(
-      tree, is_leaf=lambda x: isinstance(x, LossScaleState)))
-
-
 def with_loss_scale(
     inner: optax.GradientTransformation,
     loss_scale: ls_lib.LossScale,
@@ -192,6 +142,7 @@ def with_loss_scale(
     accumulate_steps: int = 1,
     axis_name: ls_lib.AxisName = None,
     fp8: Any = None,
+    max_stalled_steps: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` so that it receives unscaled gradients and skips bad steps.
 
@@ -236,6 +187,17 @@ def with_loss_scale(
     fp8: a `jmp_lite.fp8.Fp8State` (from `jmp_lite.fp8.init`) to keep in the
       state; ``update`` then takes the step's fp8 maxima as ``fp8_amax=``
       (what `jmp_lite.TrainState.minimize` passes).
+    max_stalled_steps: a step skipped while the gradients were finite (the
+      updates, ``params + updates`` or the new state overflowed) says nothing
+      about the loss scale, which stays; the same overflow then usually
+      repeats on every step. After this many such steps in a row the step
+      raises ``FloatingPointError`` (inside the compiled step, through a host
+      callback: JAX re-raises it as a ``JaxRuntimeError`` carrying the
+      message) naming the arrays that overflow. None (the default): never
+      raise; the count is in ``LossScaleState.stalled`` (and
+      `jmp_lite.StepInfo.stalled`) either way. Off by default because JAX
+      does not keep a program with a host callback in its persistent
+      compilation cache.
 
   Returns:
     A `optax.GradientTransformationExtraArgs` whose state is `LossScaleState`.
@@ -265,11 +227,12 @@ def with_loss_scale(
   """
   return _with_loss_scale(inner, loss_scale, clip_norm=clip_norm,
                           accumulate_steps=accumulate_steps, axis_name=axis_name,
-                          check_results=True, fp8=fp8)
+                          check_results=True, fp8=fp8,
+                          max_stalled_steps=max_stalled_steps)
 
 
 def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_name,
-                     check_results: bool, fp8=None):
+                     check_results: bool, fp8=None, max_stalled_steps=None):
   """`with_loss_scale`; ``check_results=False`` checks the gradients only.
 
   The unchecked variant exists so that ``bench/`` can measure what checking
@@ -301,6 +264,12 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     raise ValueError(
         f"with_loss_scale: accumulate_steps must be a whole number >= 1, got "
         f"{accumulate_steps!r}")
+  if max_stalled_steps is not None and (
+      isinstance(max_stalled_steps, (bool, np.bool_))
+      or not isinstance(max_stalled_steps, (int, np.integer)) or max_stalled_steps < 1):
+    raise ValueError(
+        f"with_loss_scale: max_stalled_steps must be a whole number >= 1 or None, "
+        f"got {max_stalled_steps!r}")
   if fp8 is not None and not isinstance(fp8, Fp8State):
     raise TypeError(
         f"with_loss_scale: fp8 must be a jmp_lite.fp8.Fp8State (from "
@@ -315,7 +284,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
           "from one overflowing micro-batch in its accumulator for good. Use "
           "with_loss_scale(..., accumulate_steps=k) instead.")
     with stored_params(params):
-      inner_state = inner.init(_unscale.for_inner(params))
+      inner_state = _unscale.strongly_typed(inner.init(_unscale.for_inner(params)))
     if _contains_loss_scale_state(inner_state):
       raise ValueError(
           "with_loss_scale: inner already contains a with_loss_scale (e.g. "
@@ -335,6 +304,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
         acc_grads=acc,
         acc_finite=jnp.array(True),
         fp8=fp8,
+        stalled=jnp.zeros((), jnp.int32),
     )
 
   def step(grads, state, params, extra_args, scale, earlier_ok, measured=(None, None)):
@@ -346,7 +316,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     like = params if params is not None else grads
 
     def apply():
-      unscaled = _unscale.grads_for_inner(grads, info.clip)
+      unscaled = _unscale.grads_for_inner(grads, info)
       with stored_params(params):
         updates, inner_state = inner.update(
             unscaled, state.inner_state,
@@ -354,30 +324,34 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
       updates = _unscale.fill_updates(updates, like)
       return updates, _unscale.cast_like(inner_state, state.inner_state)
 
-    def skip():
-      return _no_op_updates(apply), state.inner_state
-
-    updates, inner_state = jax.lax.cond(finite, apply, skip)
-    # Checked after the cond, where a skipped step's values are trivially
-    # finite, so that the flags vary over shard_map axes as the values do.
+    # The inner optimizer runs on every step and its results are selected,
+    # rather than run inside a `cond`: a conditional around the optimizer
+    # keeps XLA from fusing it with the unscaling and the checks (compile
+    # time grew with every parameter array, and so did the step's). A skipped
+    # step's work is discarded; nothing of it is kept.
+    updates, inner_state = apply()
     false = jnp.array(False)
     bad = NonFinite(grads=~finite, updates=false, params=false, opt_state=false)
     if check_results:
+      # Only meaningful where the gradients were finite (else False).
       u_bad, p_bad, s_bad = _checks.written_nonfinite(
           updates, params, inner_state, state.inner_state)
-      bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)
+      bad = bad._replace(updates=u_bad & finite, params=p_bad & finite,
+                         opt_state=s_bad & finite)
       applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
       if axis_name is not None:
         applied = jax.lax.psum((~applied).astype(jnp.int32), axis_name) == 0
-      _replicas.check_decision(applied, axis_name, "with_loss_scale")
-      # One more pass over the state, what the guard costs (bench/, guard
-      # section); choosing with a second cond instead copies every buffer.
-      updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)),
-                             updates)
-      inner_state = jax.tree.map(lambda n, o: jnp.where(applied, n, o),
-                                 inner_state, state.inner_state)
     else:
       applied = finite
+    _replicas.check_decision(applied, axis_name, "with_loss_scale")
+    stalled = jnp.where(applied | ~finite, 0, state.stalled + 1).astype(jnp.int32)
+    if max_stalled_steps is not None:
+      _checks.raise_if_stalled(stalled, max_stalled_steps, updates, params,
+                               inner_state, state.inner_state)
+    updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)),
+                           updates)
+    inner_state = jax.tree.map(lambda n, o: jnp.where(applied, n, o),
+                               inner_state, state.inner_state)
     dtype = state.grad_norm.dtype
     norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)
     new_scale = _adjust(state.loss_scale, finite, measured)
@@ -387,6 +361,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
         inner_state=inner_state,
         skipped=~applied,
         skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
+        stalled=stalled,
         grad_norm=jnp.where(applied, norm, state.grad_norm),
         nonfinite=bad,
     )
@@ -444,33 +419,3 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
 
   jitted_update = jax.jit(traced_update)
   return optax.GradientTransformationExtraArgs(init, update)
-
-
-def find_loss_scale_state(opt_state: Any) -> LossScaleState:
-  """Returns the one `LossScaleState` inside ``opt_state`` (nested anywhere).
-
-  Raises:
-    ValueError: if there is none, or more than one.
-  """
-  def search(tree):
-    found = [s for s in jax.tree_util.tree_leaves(
-        tree, is_leaf=lambda x: isinstance(x, LossScaleState))
-             if isinstance(s, LossScaleState)]
-    # A state nested inside another (built by hand) must count too.
-    return found + [n for s in found for n in search(s.inner_state)]
-
-  found = search(opt_state)
-  if len(found) != 1:
-    raise ValueError(
-        f"Expected exactly one jmp_lite.optax.with_loss_scale state in opt_state, "
-        f"found {len(found)} in {jax.tree_util.tree_structure(opt_state)}.")
-  return found[0]
-
-
-def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
-  """Returns the loss scale to scale the next loss with, from any ``opt_state``.
-
-  Finds the state of `with_loss_scale` wherever it sits (inside
-  ``optax.chain``, ``optax.inject_hyperparams``, ``optax.masked`` ...).
-  """
-  return find_loss_scale_state(opt_state).loss_scale

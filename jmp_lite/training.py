@@ -20,12 +20,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmp_lite import _dtypes
-from jmp_lite import _engine
 from jmp_lite import _instrument
 from jmp_lite import _replicas
-from jmp_lite import _stats
-from jmp_lite import autocasting
+from jmp_lite import _scaled_grad
 from jmp_lite import distributed
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
@@ -41,121 +38,6 @@ __all__ = (
 )
 
 ArgNums = Union[int, Sequence[int]]
-
-
-def _check_loss(loss: Any) -> None:
-  shape = getattr(loss, "shape", None)
-  dtype = getattr(loss, "dtype", None)
-  if shape != () or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        "The loss function must return a floating-point scalar (or (scalar, "
-        f"aux) with has_aux=True), got {type(loss).__name__} with shape={shape} "
-        f"dtype={dtype}. Reduce it with jnp.mean or jnp.sum.")
-
-
-def _scaled_fun(fun, nums, has_aux, policy):
-  """``scaled(loss_scale, *args) -> (scaled loss, (loss, aux))``, what is differentiated."""
-  def scaled(loss_scale, *args, **kwargs):
-    if policy is not None:
-      args = tuple(policy.cast_to_compute(a) if i in nums else a
-                   for i, a in enumerate(args))
-    out = fun(*args, **kwargs)
-    if has_aux:
-      if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-            f"With has_aux=True the loss function must return (loss, aux), got {out!r}")
-      loss, aux = out
-    else:
-      loss, aux = out, None
-    _check_loss(loss)
-    if policy is not None:
-      loss = loss.astype(jnp.float32)
-    return loss_scale.scale(loss), (loss, aux)
-
-  if policy is not None and policy.autocast_dtype is None and (
-      _dtypes.is_narrow_float(policy.compute_dtype)):
-    # Forward rewritten, differentiated outside: the backward's matmuls are
-    # the engine's transposes.
-    scaled = _engine.accumulate(scaled, reduce_dtype=policy.reduce_dtype)
-  return scaled
-
-
-def _fp8_sites(fun, args, kwargs, *, argnums, has_aux, policy, selection):
-  """``(name, leading shape, recipe)`` of the fp8 matmuls the step would make."""
-  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-  policy = get_policy(policy) if policy is not None else None
-  scaled = _scaled_fun(fun, nums, has_aux, policy)
-  return _instrument.fp8_sites(scaled, (ls_lib.NoOpLossScale(), *args), kwargs,
-                               selection)
-
-
-def _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
-                           axis_name=None, fp8=None):
-  """``f(loss_scale, *args)`` returning ``(value, grads of loss_scale.scale(loss))``.
-
-  With ``telemetry`` or ``fp8`` (an `_instrument.Fp8Selection`),
-  ``f(step, fp8_state, loss_scale, *args)`` returning ``(value, grads,
-  stats, amax)``: ``stats`` a `jmp_lite.telemetry.PrecisionStats` of the
-  same pass on the steps ``telemetry`` samples (reduced over ``axis_name``
-  under ``shard_map``), zeros on the others (None without telemetry);
-  ``amax`` each fp8 site's absolute maxima (max-reduced over ``axis_name``),
-  its matmuls quantised with ``fp8_state``'s scales.
-
-  With a policy, the differentiated arguments are cast to its compute dtype,
-  and the differentiated step runs under the precision engine (or autocast,
-  for O1): every narrow matmul of the forward and backward pass accumulates
-  in float32, and a weight gradient whose contraction XLA's partitioner
-  splits across devices (``jit`` with a sharded batch) is reduced in the
-  policy's ``reduce_dtype`` rather than in the compute dtype.
-  """
-  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-  scaled = _scaled_fun(fun, nums, has_aux, policy)
-  # The loss scale comes first, so argument i is argument i + 1 of `scaled`.
-  shifted = tuple(i + 1 if i >= 0 else i for i in nums)
-  vg = jax.value_and_grad(
-      scaled, argnums=shifted[0] if isinstance(argnums, int) else shifted,
-      has_aux=True)
-  instrumented = telemetry is not None or fp8 is not None
-  if instrumented:
-    probed = _instrument.value_and_grad(
-        scaled, shifted, mode=None if telemetry is None else telemetry.mode,
-        what_if=() if telemetry is None else telemetry.what_if, fp8=fp8)
-
-    def measured_vg(gate, fp8_state, *args, **kwargs):
-      (value, grads), rows, amax = probed(gate, fp8_state, *args, **kwargs)
-      stats = None if telemetry is None else _stats.build(
-          rows, telemetry, axis_name, sampled=True if gate is None else gate > 0)
-      if axis_name is not None and _replicas.manual_axes():
-        # Delayed scaling reads the largest value any device saw.
-        amax = jax.tree.map(lambda a: jax.lax.pmax(a, axis_name), amax)
-      return value, grads[0] if isinstance(argnums, int) else grads, stats, amax
-
-  else:
-    measured_vg = None
-  if policy is not None and policy.autocast_dtype is not None:
-    # O1: op lists over the whole differentiated step, so that the backward
-    # matmuls run in the autocast dtype too.
-    vg = autocasting.autocast(vg, policy)
-    if measured_vg is not None:
-      measured_vg = autocasting.autocast(measured_vg, policy)
-
-  def run(loss_scale, *args, **kwargs):
-    (_, (loss, aux)), grads = vg(loss_scale, *args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
-
-  if not instrumented:
-    return run
-
-  def run_measured(step, fp8_state, loss_scale, *args, **kwargs):
-    # Sampling gates the probes' reductions, not the step: a `cond` around
-    # the whole forward and backward pass keeps XLA:CPU from optimising
-    # its convolutions (15x slower steps, measured on digits' CNN).
-    gate = None if telemetry is None else _stats.gate(telemetry, step)
-    (_, (loss, aux)), grads, stats, amax = measured_vg(gate, fp8_state, loss_scale,
-                                                       *args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads, stats, amax
-
-  return run_measured
 
 
 def value_and_grad(
@@ -239,7 +121,7 @@ def value_and_grad(
   axis_name = ls_lib._check_axis_name(axis_name, "value_and_grad")
 
   telemetry = _check_telemetry(telemetry, "value_and_grad")
-  scaled_vg = _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry,
+  scaled_vg = _scaled_grad.scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry,
                                      axis_name)
 
   def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(),
@@ -251,7 +133,7 @@ def value_and_grad(
           f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
     step = kwargs.pop("telemetry_step", None) if telemetry is not None else None
     if fp8 is not None:
-      vg = _scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry, axis_name,
+      vg = _scaled_grad.scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry, axis_name,
                                   _selection(fp8))
       value, grads, stats, amax = vg(step, fp8, loss_scale, *args, **kwargs)
       fp8 = fp8.observe(amax).commit()
@@ -325,6 +207,8 @@ class StepInfo(NamedTuple):
   nonfinite: jo.NonFinite  # why the step was skipped, if it was
   # per-module precision statistics (`TrainState.minimize(telemetry=...)`)
   precision: Optional[telemetry_lib.PrecisionStats] = None
+  # consecutive steps skipped with finite gradients (`LossScaleState.stalled`)
+  stalled: Optional[jax.Array] = None
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -367,7 +251,7 @@ class TrainState(flax.struct.PyTreeNode):
   @classmethod
   def create(cls, *, apply_fn, params, tx, loss_scale=None, policy=None,
              clip_norm=None, accumulate_steps=1, axis_name=None, fp8=None,
-             **kwargs) -> "TrainState":
+             max_stalled_steps=None, **kwargs) -> "TrainState":
     """Creates a state: params cast to the policy's param dtype, ``tx`` wrapped.
 
     Args:
@@ -385,9 +269,18 @@ class TrainState(flax.struct.PyTreeNode):
         function ``minimize`` will be given): ``minimize`` then runs those
         matmuls in fp8 with delayed scaling, the metadata kept beside the
         loss scale (`jmp_lite.optax.LossScaleState.fp8`).
+      max_stalled_steps: passed to `jmp_lite.optax.with_loss_scale` (a step
+        raises after this many consecutive steps skipped with finite
+        gradients; None: never).
       **kwargs: further fields of a subclass.
     """
     policy = get_policy(policy) if policy is not None else None
+    # Python numbers become arrays (float32, int32), strongly typed: what a
+    # step writes back, so the state's types do not change after the first
+    # step (which would compile it twice).
+    params = jax.tree.map(
+        lambda x: jnp.asarray(x, jnp.int32 if isinstance(x, int) else jnp.float32)
+        if isinstance(x, (int, float)) and not isinstance(x, bool) else x, params)
     if policy is not None:
       params = policy.cast_to_param(params)
     if loss_scale is None:
@@ -395,7 +288,7 @@ class TrainState(flax.struct.PyTreeNode):
     axis_name = ls_lib._check_axis_name(axis_name, "TrainState.create")
     tx = jo.with_loss_scale(tx, loss_scale, clip_norm=clip_norm,
                             accumulate_steps=accumulate_steps, axis_name=axis_name,
-                            fp8=fp8)
+                            fp8=fp8, max_stalled_steps=max_stalled_steps)
     return cls(step=jnp.zeros((), jnp.int32), apply_fn=apply_fn, params=params,
                tx=tx, opt_state=tx.init(params), policy=policy,
                axis_name=axis_name, **kwargs)
@@ -451,8 +344,10 @@ class TrainState(flax.struct.PyTreeNode):
       # compute dtype; reduce_gradients averages them in reduce_dtype.
       params = distributed.mark_varying(params, self.axis_name)
     fp8 = self.loss_scale_state.fp8
-    vg = _scaled_value_and_grad(loss_fn, 0, has_aux, self.policy, telemetry,
-                                self.axis_name, _selection(fp8))
+    # Integer leaves (step counters, masks kept with the parameters) get
+    # float0 gradients and zero updates, as the guard gives them.
+    vg = _scaled_grad.scaled_value_and_grad(loss_fn, 0, has_aux, self.policy, telemetry,
+                                self.axis_name, _selection(fp8), allow_int=True)
     measured = {}
     if telemetry is None and fp8 is None:
       value, grads = vg(self.loss_scale, params, *args, **kwargs)
@@ -476,4 +371,5 @@ class TrainState(flax.struct.PyTreeNode):
     info = new.loss_scale_state
     return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,
                          loss_scale=used_scale, grad_norm=info.grad_norm,
-                         nonfinite=info.nonfinite, precision=stats)
+                         nonfinite=info.nonfinite, precision=stats,
+                         stalled=info.stalled)

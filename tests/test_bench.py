@@ -26,7 +26,7 @@ from bench import machine  # noqa: E402
 from bench import plan as plan_lib  # noqa: E402
 
 SECTIONS = ("all_finite", "matmul", "steps", "fused_clip", "guard", "compiles",
-            "memory", "imports", "fp8")
+            "compile_time", "memory", "imports", "fp8")
 ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\s*\d", re.IGNORECASE)
 TF32_ROW = "| f32, TF32 allowed |"
 

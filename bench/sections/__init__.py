@@ -14,6 +14,7 @@ in the output and the run goes on with the next one.
 """
 
 from bench.sections import all_finite
+from bench.sections import compile_time
 from bench.sections import compiles
 from bench.sections import fp8
 from bench.sections import fused_clip
@@ -27,4 +28,5 @@ from bench.sections import telemetry
 # Later sections (the Flax `wrap` bench, an autocast bench, the examples' timings)
 # go here, in the order they should run.
 SECTIONS = {m.NAME: m for m in (all_finite, matmul, steps, fused_clip, guard,
-                                compiles, memory, imports, telemetry, fp8)}
+                                compiles, compile_time, memory, imports,
+                                telemetry, fp8)}

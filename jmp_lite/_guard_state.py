@@ -1,0 +1,112 @@
+"""The state `jmp_lite.optax.with_loss_scale` keeps, and finding it in any optax state."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmp_lite import _checks
+from jmp_lite import loss_scale as ls_lib
+
+
+class NonFinite(NamedTuple):
+  """Which part of the last step was not finite: one bool scalar each.
+
+  ``grads`` covers the gradients (and, with accumulation, any micro-batch of
+  the step or their sum); the others are checked only when the gradients were
+  finite, and are False otherwise.
+  """
+
+  grads: jax.Array
+  updates: jax.Array
+  params: jax.Array  # params + updates, in the parameters' dtypes
+  opt_state: jax.Array  # the inner optimizer's new state
+
+
+def _no_nonfinite() -> NonFinite:
+  false = jnp.array(False)
+  return NonFinite(false, false, false, false)
+
+
+class LossScaleState(NamedTuple):
+  """State of `with_loss_scale`.
+
+  Attributes:
+    loss_scale: the loss scale to scale the next loss with.
+    inner_state: the wrapped optimizer's state (frozen on skipped steps).
+    skipped: bool, whether the last completed step was skipped.
+    skipped_steps: int32, how many steps were skipped so far.
+    grad_norm: global norm of the last applied step's unscaled gradients,
+      before clipping (float32; float64 when a gradient is float64). A
+      skipped step leaves it unchanged, and a norm beyond the dtype's range is
+      stored as its largest value, so it is always finite.
+    nonfinite: `NonFinite`, why the last completed step was skipped.
+    mini_step: int32, micro-batches accumulated so far in this step.
+    acc_grads: float32 sum of scaled micro-batch gradients (``()`` when
+      ``accumulate_steps == 1``); only finite sums are kept.
+    acc_finite: bool, whether every micro-batch of this step was finite.
+    stalled: int32, consecutive steps skipped although the gradients were
+      finite (what the step would write overflowed). Any other step resets
+      it; ``with_loss_scale(max_stalled_steps=)`` bounds it.
+    fp8: the `jmp_lite.fp8.Fp8State` of the step's fp8 matmuls, or None.
+      Metadata beside the loss scale, never a gradient: the maxima the step
+      observed (``update``'s ``fp8_amax``) are max-reduced over micro-batches
+      and replicas and recorded once per step, skipped or not, and the
+      gradient histories follow the loss scale when it changes.
+  """
+
+  loss_scale: ls_lib.LossScale
+  inner_state: optax.OptState
+  skipped: jax.Array
+  skipped_steps: jax.Array
+  grad_norm: jax.Array
+  nonfinite: NonFinite
+  mini_step: jax.Array
+  acc_grads: Any
+  acc_finite: jax.Array
+  fp8: Any = None
+  stalled: Any = None
+
+
+def _contains_loss_scale_state(tree: Any) -> bool:
+  return any(isinstance(x, LossScaleState) for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, LossScaleState)))
+
+
+def find_loss_scale_state(opt_state: Any) -> LossScaleState:
+  """Returns the one `LossScaleState` inside ``opt_state`` (nested anywhere).
+
+  Raises:
+    ValueError: if there is none, or more than one.
+  """
+  def search(tree):
+    found = [s for s in jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, LossScaleState))
+             if isinstance(s, LossScaleState)]
+    # A state nested inside another (built by hand) must count too.
+    return found + [n for s in found for n in search(s.inner_state)]
+
+  found = search(opt_state)
+  if _checks.multisteps_around(opt_state, lambda x: isinstance(x, LossScaleState)):
+    raise ValueError(
+        "with_loss_scale inside optax.MultiSteps: MultiSteps keeps a NaN from "
+        "one overflowing micro-batch in its accumulator for good, and every "
+        "later step is skipped. Use with_loss_scale(..., accumulate_steps=k) "
+        "instead.")
+  if len(found) != 1:
+    raise ValueError(
+        f"Expected exactly one jmp_lite.optax.with_loss_scale state in opt_state, "
+        f"found {len(found)} in {jax.tree_util.tree_structure(opt_state)}.")
+  return found[0]
+
+
+def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
+  """Returns the loss scale to scale the next loss with, from any ``opt_state``.
+
+  Finds the state of `with_loss_scale` wherever it sits (inside
+  ``optax.chain``, ``optax.inject_hyperparams``, ``optax.masked`` ...).
+  """
+  return find_loss_scale_state(opt_state).loss_scale

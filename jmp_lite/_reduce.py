@@ -1,0 +1,63 @@
+"""Reductions over many arrays in few XLA ops: one per distinct shape.
+
+A guarded step reduces every gradient, parameter and optimizer-state array
+(the norm, the finiteness checks). One reduce op per array and per check made
+its HLO grow by about 16 reductions per parameter array, and its compile time
+7-10x the plain step's. Here arrays of the same shape are first combined
+element by element (``a + b``, ``max(a, b)``, ``a | b``), which XLA fuses into
+the reduction's loop (no temporary array, each element read once as before),
+and each shape is reduced once. A model whose layers repeat shapes compiles a
+handful of reductions, whatever its depth.
+
+The order in which elements are added differs from a per-array reduction, so
+sums may differ in the last bits (XLA promises no reduction order either);
+maxima, any/all and finiteness are exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _reduce(items, elementwise: Callable, combine: Callable, reduce: Callable, empty,
+            shape_of: Callable = np.shape):
+  """``reduce`` of ``elementwise(item)`` over ``items``: one ``reduce`` per shape."""
+  by_shape: dict[tuple, list] = {}
+  for item in items:
+    by_shape.setdefault(tuple(shape_of(item)), []).append(item)
+  parts = [reduce(functools.reduce(combine, map(elementwise, group)))
+           for group in by_shape.values()]
+  if not parts:
+    return empty
+  # Scalars: combined as scalars, not stacked and reduced (one op fewer).
+  return functools.reduce(combine, parts)
+
+
+def sum_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
+  """``sum(elementwise(x))`` over every element of every leaf, in ``dtype``."""
+  return _reduce(leaves, lambda x: elementwise(x).astype(dtype), operator.add,
+                 jnp.sum, jnp.zeros((), dtype))
+
+
+def max_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
+  """``max(elementwise(x))`` over every element of every leaf (``-inf`` if none)."""
+  # `initial`: a zero-size leaf (a parameter with a 0 dimension) has no max.
+  return _reduce(leaves, lambda x: elementwise(x).astype(dtype), jnp.maximum,
+                 lambda x: jnp.max(x, initial=-jnp.inf), jnp.full((), -jnp.inf, dtype))
+
+
+def any_of(leaves: Sequence[Any], elementwise: Callable) -> jax.Array:
+  """Whether ``elementwise(x)`` (a bool array) holds anywhere in any leaf."""
+  return _reduce(leaves, elementwise, operator.or_, jnp.any, jnp.array(False))
+
+
+def any_of_pairs(pairs: Sequence[tuple[Any, Any]], elementwise: Callable) -> jax.Array:
+  """Whether ``elementwise(a, b)`` holds anywhere, for same-shape pairs ``(a, b)``."""
+  return _reduce(pairs, lambda p: elementwise(*p), operator.or_, jnp.any,
+                 jnp.array(False), shape_of=lambda p: np.shape(p[0]))

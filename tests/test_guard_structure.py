@@ -1,0 +1,251 @@
+"""What the guard compiles to, and the inputs it takes or refuses.
+
+The guarded step's reductions are counted in the optimised HLO XLA compiles
+(one per distinct shape and check, not one per array), and its results are
+checked against plain optax steps and NumPy. Timings live in `bench/`
+(section ``compile_time``), not here.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite import optax as jo
+from jmp_lite.testing import assert_trees_bitwise_equal, count_compilations
+
+
+class _MLP(nn.Module):
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.layers):
+      x = nn.relu(nn.Dense(16)(x))
+    return nn.Dense(4)(x)
+
+
+def _reduce_ops(compiled) -> int:
+  return compiled.as_text().count(" reduce(")
+
+
+@pytest.mark.usefixtures("standard_promotion")  # optax's Adam: b1 ** count
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_reductions_do_not_grow_with_the_number_of_arrays(clip_norm):
+  """At most 3 reduce ops per parameter array, and the same count for 20 and
+  80 arrays of the same few shapes (the plain step has one per array from
+  the loss's backward pass alone)."""
+  counts = {}
+  for layers in (9, 39):
+    model = _MLP(layers)
+    x = jnp.ones((8, 16))
+    params = model.init(jax.random.key(0), x)["params"]
+    n = len(jax.tree.leaves(params))
+    tx = jo.with_loss_scale(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0 ** 15),
+                            clip_norm=clip_norm)
+
+    def step(params, opt_state):
+      scale = jo.get_loss_scale(opt_state)
+      grads = jax.grad(lambda p: scale.scale(jnp.mean(model.apply({"params": p}, x) ** 2)))(
+          params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return jo.apply_updates(params, updates), opt_state
+
+    def plain(params, opt_state):
+      grads = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(params)
+      updates, opt_state = optax.adam(1e-3).update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    guarded = _reduce_ops(jax.jit(step).lower(params, tx.init(params)).compile())
+    baseline = _reduce_ops(jax.jit(plain).lower(
+        params, optax.adam(1e-3).init(params)).compile())
+    assert guarded <= 3 * n, (n, guarded)
+    counts[n] = guarded - baseline
+  few, many = sorted(counts)
+  assert counts[few] == counts[many], counts  # the guard's own: independent of depth
+
+
+@pytest.mark.usefixtures("standard_promotion")
+def test_a_zero_size_parameter_trains_beside_the_others():
+  """Plain jax.grad takes a (0, 4) parameter; the guard raised 'zero-size array
+  to reduction operation max' on every step."""
+  params = {"w": jnp.ones(3), "e": jnp.zeros((0, 4))}
+  for clip_norm in (None, 1e-3):
+    tx = jo.with_loss_scale(optax.adam(0.1), jmp_lite.DynamicLossScale(2.0 ** 15),
+                            clip_norm=clip_norm)
+    ref = optax.chain(*([optax.clip_by_global_norm(clip_norm)] if clip_norm else []),
+                      optax.adam(0.1))
+    state, ref_state = tx.init(params), ref.init(params)
+    grads = {"w": jnp.array([1.0, -2.0, 3.0]), "e": jnp.zeros((0, 4))}
+    scaled = jax.tree.map(lambda g: g * 2.0 ** 15, grads)
+    updates, state = tx.update(scaled, state, params)
+    want, _ = ref.update(grads, ref_state, params)
+    assert not bool(jo.find_loss_scale_state(state).skipped)
+    np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-6)
+    assert updates["e"].shape == (0, 4)
+    # A non-finite gradient elsewhere still skips.
+    bad = {"w": jnp.array([1.0, jnp.inf, 3.0]), "e": jnp.zeros((0, 4))}
+    updates, state = tx.update(bad, state, params)
+    assert bool(jo.find_loss_scale_state(state).skipped)
+    assert_trees_bitwise_equal(jo.apply_updates(params, updates), params)
+
+
+@pytest.mark.usefixtures("standard_promotion")
+def test_minimize_takes_integer_and_python_float_leaves():
+  """Integer leaves get float0 gradients and stay; Python floats train like
+  float32 scalars (jax.grad's own treatment), with one compilation: create
+  stores them as float32 and int32 arrays."""
+  params = {"w": jnp.ones(3), "step": jnp.int32(7), "c": 2.0}
+  state = jmp_lite.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1),
+                                     loss_scale=jmp_lite.DynamicLossScale(2.0 ** 15))
+
+  @jax.jit
+  def train(state):
+    return state.minimize(lambda p: jnp.sum(p["w"] ** 2) * p["c"])
+
+  with count_compilations() as compiled:
+    new, info = train(state)
+    new, info = train(new)
+  assert len(compiled) == 1
+  assert not bool(info.skipped) and int(info.stalled) == 0
+  assert int(new.params["step"]) == 7 and new.params["step"].dtype == jnp.int32
+  assert state.params["c"].dtype == new.params["c"].dtype == jnp.float32
+  # Two SGD steps on c * |w|^2 (and on c from |w|^2), from optax itself.
+  ref = {"w": jnp.ones(3), "c": jnp.float32(2.0)}
+  opt = optax.sgd(0.1)
+  opt_state = opt.init(ref)
+  for _ in range(2):
+    g = jax.grad(lambda p: jnp.sum(p["w"] ** 2) * p["c"])(ref)
+    u, opt_state = opt.update(g, opt_state, ref)
+    ref = optax.apply_updates(ref, u)
+  np.testing.assert_allclose(new.params["w"], ref["w"], rtol=1e-6)
+  np.testing.assert_allclose(new.params["c"], ref["c"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda v: jmp_lite.StaticLossScale(v),
+    lambda v: jmp_lite.DynamicLossScale(v, min_loss_scale=0.0)])
+def test_a_subnormal_loss_scale_is_refused(make):
+  """1e-39 flushes every gradient to zero: nothing trains and no step is skipped."""
+  with pytest.raises(ValueError, match="smallest normal"):
+    make(1e-39)
+  make(float(np.finfo(np.float32).tiny))  # the smallest normal is fine
+
+
+def test_multisteps_around_the_guard_is_refused_at_any_depth():
+  """Two chains deep, MultiSteps bypassed the refusal; its state is refused
+  wherever it comes from."""
+  tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0 ** 15))
+  params = {"w": jnp.ones(3)}
+  nested = optax.MultiSteps(
+      optax.chain(optax.chain(tx, optax.identity()), optax.identity()), every_k_schedule=2)
+  with pytest.raises(ValueError, match="accumulate_steps"):
+    nested.init(params)
+  by_hand = optax.MultiStepsState(
+      mini_step=jnp.int32(0), gradient_step=jnp.int32(0),
+      inner_opt_state=(tx.init(params),), acc_grads={"w": jnp.zeros(3)}, skip_state=())
+  with pytest.raises(ValueError, match="accumulate_steps"):
+    jo.get_loss_scale(by_hand)
+
+
+@pytest.mark.usefixtures("standard_promotion")
+@pytest.mark.parametrize("make", [
+    lambda: optax.adam(1e-2), lambda: optax.adamw(1e-2, weight_decay=0.1),
+    lambda: optax.sgd(1e-2, momentum=0.9), lambda: optax.lion(1e-3),
+    lambda: optax.chain(optax.clip(0.5), optax.rmsprop(1e-2))],
+    ids=["adam", "adamw", "momentum", "lion", "clip+rmsprop"])
+def test_applied_steps_are_the_plain_optax_step(make):
+  """Oracle: the same optimizer in a plain jitted optax step, on the unscaled
+  gradients (the loss scale is a power of two: unscaling is exact). Applied
+  steps match it to float32 rounding: the two programs are fused differently,
+  and XLA contracts multiply-adds into FMAs where it fuses, so the last bit
+  may differ. Faulted steps leave params and state bitwise unchanged."""
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=4), jnp.float32)}
+  xs = rng.normal(size=(12, 3, 8)).astype(np.float32)
+  faults = {3, 4, 9}
+  tx = jo.with_loss_scale(make(), jmp_lite.DynamicLossScale(2.0 ** 12, period=2))
+  plain_tx = make()
+
+  def loss(p, x):
+    return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+
+  @jax.jit
+  def guarded(p, s, x, fault):
+    scale = jo.get_loss_scale(s)
+    g = jax.grad(lambda q: scale.scale(loss(q, x) * jnp.where(fault, jnp.inf, 1.0)))(p)
+    u, s = tx.update(g, s, p)
+    return jo.apply_updates(p, u), s
+
+  @jax.jit
+  def plain(p, s, x):
+    u, s = plain_tx.update(jax.grad(loss)(p, x), s, p)
+    return optax.apply_updates(p, u), s
+
+  state, plain_state = tx.init(params), plain_tx.init(params)
+  plain_params = params
+  for i, x in enumerate(xs):
+    new, state = guarded(params, state, x, i in faults)
+    if i in faults:
+      assert_trees_bitwise_equal(new, params, f"step {i}")
+      assert bool(jo.find_loss_scale_state(state).skipped)
+    else:
+      plain_params, plain_state = plain(plain_params, plain_state, x)
+      close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+      jax.tree.map(close, new, plain_params)
+      jax.tree.map(close, jo.find_loss_scale_state(state).inner_state, plain_state)
+      plain_params = new  # the next step from the same point
+    params = new
+
+
+def _stalling_step(tx, loss_scale):
+  @jax.jit
+  def step(params, opt_state):
+    grads = loss_scale.scale({"w": jnp.full(2, 2e4, jnp.float16), "b": jnp.ones(3)})
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return jo.apply_updates(params, updates), opt_state
+  return step
+
+
+def test_a_step_that_only_overflows_its_results_does_not_stall_silently():
+  """-1e8 onto a float16 parameter: finite gradients, the scale never moves,
+  and the same step would be skipped forever. The count is kept, and at the
+  limit the compiled step raises, naming the parameter."""
+  params = {"w": jnp.ones(2, jnp.float16), "b": jnp.zeros(3)}
+  loss_scale = jmp_lite.StaticLossScale(0.5)
+  tx = jo.with_loss_scale(optax.sgd(1e4), loss_scale, max_stalled_steps=3)
+  step = _stalling_step(tx, loss_scale)
+  opt_state = tx.init(params)
+  for expected in (1, 2):
+    params, opt_state = step(params, opt_state)
+    state = jo.find_loss_scale_state(opt_state)
+    assert int(state.stalled) == expected and bool(state.skipped)
+  with pytest.raises(Exception, match=r"3 steps in a row.*params \+ updates \['w'\]") as err:
+    jax.block_until_ready(step(params, opt_state))
+  assert "'b'" not in str(err.value).splitlines()[-1]
+
+
+def test_the_stall_count_resets_and_can_be_unbounded():
+  params = {"w": jnp.ones(2, jnp.float16), "b": jnp.zeros(3)}
+  loss_scale = jmp_lite.StaticLossScale(0.5)
+  tx = jo.with_loss_scale(optax.sgd(1e4), loss_scale, max_stalled_steps=None)
+  step = _stalling_step(tx, loss_scale)
+  opt_state = tx.init(params)
+  for _ in range(5):
+    params, opt_state = step(params, opt_state)
+  assert int(jo.find_loss_scale_state(opt_state).stalled) == 5
+  # An applied step, and a step skipped for its gradients, reset it.
+  updates, applied = tx.update({"w": jnp.zeros(2, jnp.float16), "b": jnp.ones(3)},
+                               opt_state, params)
+  assert not bool(jo.find_loss_scale_state(applied).skipped)
+  assert int(jo.find_loss_scale_state(applied).stalled) == 0
+  _, nan_step = tx.update({"w": jnp.full(2, jnp.nan, jnp.float16), "b": jnp.ones(3)},
+                          opt_state, params)
+  assert int(jo.find_loss_scale_state(nan_step).stalled) == 0
+  for bad in (0, -1, 2.5, True):
+    with pytest.raises(ValueError, match="max_stalled_steps"):
+      jo.with_loss_scale(optax.sgd(1.0), loss_scale, max_stalled_steps=bad)
