@@ -22,6 +22,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: bench/gpu.sh info|suite|examples|bench1|bench2|all}
+case "$part" in info|suite|examples|bench1|bench2|all) ;;
+  *) echo "unknown part: $part (info|suite|examples|bench1|bench2|all)" >&2; exit 2 ;;
+esac
 py=${PYTHON:-python3}
 
 device=$("$py" -c "import jax; print(jax.devices()[0].device_kind)" 2>/dev/null || echo unknown)
@@ -90,5 +93,4 @@ case "$part" in
   bench2) bench 2 ;;
   all) rc=0; info || rc=1; suite || rc=1; examples || rc=1
        bench 1 || rc=1; bench 2 || rc=1; exit $rc ;;
-  *) echo "unknown part: $part" >&2; exit 2 ;;
 esac
