@@ -70,15 +70,18 @@ def raise_if_stalled(stalled, limit: int, updates, params, new_state, old_state)
           lambda p, u: (np.asarray(p, np.float64) + np.asarray(u, np.float64)).astype(
               np.asarray(p).dtype), params, updates)
     where = []
-    for label, new, old in (("updates", updates, params if params is not None else updates),
+    # Without params, any non-finite update counts (as in `written_nonfinite`).
+    for label, new, old in (("updates", updates, params),
                             ("params + updates", new_params, params),
                             ("optimizer state", new_state, old_state)):
       if new is None:
         continue
       flat_new = jax.tree_util.tree_flatten_with_path(new)[0]
-      for (path, n), o in zip(flat_new, jax.tree.leaves(old)):
-        n, o = np.asarray(n), np.asarray(o)
-        if n.dtype.kind in "fc" and (~np.isfinite(n) & np.isfinite(o)).any():
+      olds = [None] * len(flat_new) if old is None else jax.tree.leaves(old)
+      for (path, n), o in zip(flat_new, olds):
+        n = np.asarray(n)
+        was = True if o is None else np.isfinite(np.asarray(o))
+        if n.dtype.kind in "fc" and (~np.isfinite(n) & was).any():
           where.append(f"{label} {jax.tree_util.keystr(path) or '(root)'}")
     raise FloatingPointError(
         f"with_loss_scale: {int(count)} steps in a row were skipped although the "

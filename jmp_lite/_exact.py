@@ -127,12 +127,6 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.where(nan, jnp.nan, out)
 
 
-def reciprocal(x: jax.Array) -> jax.Array:
-  """``1 / x`` correctly rounded (see `divide`)."""
-  x = jnp.asarray(x)
-  return divide(jnp.ones((), x.dtype), x)
-
-
 def round_to(x: jax.Array, dtype) -> jax.Array:
   """float32 ``x`` rounded to the nearest value of ``dtype``, kept in float32.
 

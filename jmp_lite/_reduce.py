@@ -64,30 +64,8 @@ def max_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
                  lambda x: jnp.max(x, initial=-jnp.inf), jnp.full((), -jnp.inf, dtype))
 
 
-def any_of(leaves: Sequence[Any], elementwise: Callable) -> jax.Array:
-  """Whether ``elementwise(x)`` (a bool array) holds anywhere in any leaf."""
-  return _reduce(leaves, elementwise, operator.or_, jnp.any, jnp.array(False))
-
-
 def any_of_pairs(pairs: Sequence[tuple[Any, Any]], elementwise: Callable) -> jax.Array:
   """Whether ``elementwise(a, b)`` holds anywhere, for same-shape pairs ``(a, b)``."""
   return _reduce(pairs, lambda p: elementwise(*p), operator.or_, jnp.any,
                  jnp.array(False), shape_of=lambda p: np.shape(p[0]))
 
-
-def any_of_tagged(triples: Sequence[tuple[Any, Any, int]], elementwise: Callable) -> jax.Array:
-  """The OR of ``tag`` over the triples ``(a, b, tag)`` where ``elementwise(a, b)``
-  holds anywhere: several flags in one pass (tags are distinct bits).
-
-  Triples of the same shape share one elementwise pass and one reduction,
-  whichever flag they feed.
-  """
-  def code(t):
-    a, b, tag = t
-    return jnp.where(elementwise(a, b), jnp.int32(tag), jnp.int32(0))
-
-  def reduce_or(x):
-    return jax.lax.reduce(x, jnp.int32(0), jax.lax.bitwise_or, tuple(range(x.ndim)))
-
-  return _reduce(triples, code, jax.lax.bitwise_or, reduce_or, jnp.int32(0),
-                 shape_of=lambda t: np.shape(t[0]))
