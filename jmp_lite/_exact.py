@@ -8,15 +8,19 @@ Two defaults of XLA:GPU change numbers that the library's guarantees rest on:
   (``f32 -> f16 -> f32``) and computes narrow elementwise ops in float32. A
   finiteness check of ``(p + u).astype(float16)`` then sees the finite
   float32 sum, not the inf the parameter will hold; Kahan summation sees no
-  rounding error to compensate. XLA keeps a ``reduce-precision`` of a float32
-  value to fewer bits: the algebraic simplifier removes one only where it is
-  a no-op for its own element type. So every rounding the library relies on
-  is written as `round_to` on a float32 value, and every narrow value a check
-  reads is read through `widen`.
-* **Division.** XLA:GPU compiles float32 division to PTX ``div.full.f32``
-  (within 2 ulp, not correctly rounded), so ``x / 3`` differs in the last bit
-  from the CPU's. `divide` computes the correctly rounded quotient with
-  integer arithmetic instead, which every backend computes exactly.
+  rounding error to compensate. (openxla/xla ``SimplifyFPConversions``,
+  xla/hlo/transforms/simplifiers/simplify_fp_conversions.cc at 3e1a45f9,
+  folds any chain of float converts; gpu_compiler.cc runs it when the flag is
+  set.) XLA keeps a ``reduce-precision`` of a float32 value to fewer bits: the
+  algebraic simplifier (algebraic_simplifier.cc at 289dd9a1) removes one only
+  where it is a no-op for its own element type, the barrier JAX's remat
+  relies on too. So every rounding the library relies on is written as
+  `round_to` on a float32 value, and every narrow value a check reads is read
+  through `widen`.
+* **Division.** XLA:GPU's float32 division is not correctly rounded: on an
+  H100, ``1 / 3 / 3`` came out 0.11111112 where IEEE division gives
+  0.11111111. `divide` computes the correctly rounded quotient with integer
+  arithmetic instead, which every backend computes exactly.
 
 `pow2` and `ldexp` build powers of two from their bits, because ``exp2`` is
 approximate on some backends.
