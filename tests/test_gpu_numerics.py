@@ -4,9 +4,9 @@ On an H100 with default flags the guard let an overflowing float16 parameter
 through, Kahan summation stalled, stochastic rounding was biased (all three
 because XLA may keep a value the program rounds to float16/bfloat16 in
 float32: ``--xla_allow_excess_precision``), and ``DynamicLossScale.adjust``
-divided to within 2 ulp (PTX ``div.full.f32``). XLA:CPU does neither, so these
+was not correctly rounded (XLA:GPU's float32 division). XLA:CPU does neither, so these
 tests run the code under `tests/excess_precision.py`, which keeps every
-narrow value in float32 wherever the license allows: each failed there before
+narrow value in float32 wherever the license allows: those failed there before
 the fix, with the numbers the GPU gave. Oracles: NumPy/ml_dtypes, float32
 sums, the reference model of the loss scale.
 """
