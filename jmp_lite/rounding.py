@@ -113,8 +113,9 @@ def _stochastic_round(x: jax.Array, dtype, key: jax.Array) -> jax.Array:
   """
   near32 = _exact.round_to(x, dtype)
   # The neighbour on the other side of x (same as nearest if x is exact),
-  # one step of the narrow format's bits away from nearest.
-  other32 = _exact.round_to(_step_toward(near32, x, dtype), dtype)
+  # one step of the narrow format's bits away from nearest (a value of
+  # dtype: the bitcast materialises it).
+  other32 = _step_toward(near32, x, dtype)
   gap = other32 - near32
   # Probability of `other`: distance from nearest over the gap (in [0, 1/2]).
   p_other = jnp.where(gap != 0, (x - near32) / jnp.where(gap != 0, gap, 1.0), 0.0)

@@ -15,8 +15,9 @@ program rounds explicitly with ``reduce_precision`` on a float32 value is
 kept, as XLA keeps it. Code correct under this emulation is correct under any
 choice XLA:GPU makes within the license.
 
-Only public JAX API: ``jax.make_jaxpr`` and the equations of the jaxpr it
-returns (``eqn.primitive.bind``, ``eqn.params``).
+``jax.make_jaxpr``, the equations of the jaxpr it returns
+(``eqn.primitive.bind``, ``eqn.params``) and the library's evaluator of them
+(`jmp_lite._internals.eval_jaxpr`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
+
+from jmp_lite import _internals
 
 NARROW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -62,50 +64,34 @@ def _materialise(x, aval):
   return x
 
 
+def _eqn(eqn, invals):
+  """What ``eqn`` gives under the emulated excess precision (as its bind would)."""
+  name = eqn.primitive.name
+  in_avals = [v.aval for v in eqn.invars]
+  if name == "convert_element_type":
+    x, = invals
+    new = np.dtype(eqn.params["new_dtype"])
+    if new in NARROW and np.dtype(x.dtype) == np.float32:
+      return x  # the rounding may be skipped: keep float32
+    if np.dtype(x.dtype) == np.float32 and _is_narrow(in_avals[0]) and new == np.float32:
+      return x  # the round trip removed
+    return eqn.primitive.bind(_materialise(x, in_avals[0]), **eqn.params)
+  if name in _INLINED and _INLINED[name] in eqn.params:
+    inner = eqn.params[_INLINED[name]]
+    outs = (_run(inner.jaxpr, inner.consts, invals) if hasattr(inner, "jaxpr")
+            else _run(inner, (), invals))
+    return outs if eqn.primitive.multiple_results else outs[0]
+  if name in _WIDE_OK and any(_is_narrow(a) and np.dtype(x.dtype) == np.float32
+                              for x, a in zip(invals, in_avals)):
+    wide = [x.astype(jnp.float32) if _is_narrow(a) else x for x, a in zip(invals, in_avals)]
+    return eqn.primitive.bind(*wide, **eqn.params)
+  return eqn.primitive.bind(*[_materialise(x, a) for x, a in zip(invals, in_avals)],
+                            **eqn.params)
+
+
 def _run(jaxpr, consts, args):
-  env = {}
-
-  def read(v):
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    invals = [read(v) for v in eqn.invars]
-    in_avals = [v.aval for v in eqn.invars]
-    if name == "convert_element_type":
-      x, = invals
-      new = np.dtype(eqn.params["new_dtype"])
-      if new in NARROW and np.dtype(x.dtype) == np.float32:
-        outs = [x]  # the rounding may be skipped: keep float32
-      elif (np.dtype(x.dtype) == np.float32 and _is_narrow(in_avals[0])
-            and new == np.float32):
-        outs = [x]  # the round trip removed
-      else:
-        outs = [eqn.primitive.bind(_materialise(x, in_avals[0]), **eqn.params)]
-    elif name in _INLINED and _INLINED[name] in eqn.params:
-      inner = eqn.params[_INLINED[name]]
-      if hasattr(inner, "jaxpr"):
-        outs = _run(inner.jaxpr, inner.consts, invals)
-      else:
-        outs = _run(inner, (), invals)
-    elif name in _WIDE_OK and any(
-        _is_narrow(a) and np.dtype(x.dtype) == np.float32
-        for x, a in zip(invals, in_avals)):
-      wide = [x.astype(jnp.float32) if _is_narrow(a) else x
-              for x, a in zip(invals, in_avals)]
-      outs = eqn.primitive.bind(*wide, **eqn.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    else:
-      outs = eqn.primitive.bind(*[_materialise(x, a) for x, a in zip(invals, in_avals)],
-                                **eqn.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+  # The library's own equation-by-equation evaluator, with `_eqn` per equation.
+  return _internals.eval_jaxpr(jaxpr, consts, args, _eqn)
 
 
 def excess_precision(fun):
