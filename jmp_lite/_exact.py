@@ -107,10 +107,12 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   num = jnp.where(small, num << 1, num)  # < 2**25
   # Long division in chunks of 7 bits, each an int32 division: the
   # remainder stays below den < 2**24, so `rem << 7` fits in 31 bits.
-  quot, rem = num // den, num % den  # the leading bit: 1
+  # lax.div and lax.rem truncate: on these non-negative operands they are
+  # floor division, without the sign corrections `//` and `%` compile to.
+  quot, rem = jax.lax.div(num, den), jax.lax.rem(num, den)  # the leading bit: 1
   for bits in (7, 7, 7, 3):  # 1 + 24 quotient bits
     shifted = rem << bits
-    digit = shifted // den
+    digit = jax.lax.div(shifted, den)
     quot, rem = (quot << bits) | digit, shifted - digit * den
   mant, round_bit = quot >> 1, quot & 1
   sticky = rem != 0
