@@ -1,42 +1,57 @@
-"""An fp8 matmul site: the matmul's operands and its output cotangent quantised.
+"""An fp8 matmul site: one ``dot_general`` on fp8 operands, and its two transposes.
 
-`jmp_lite._instrument` puts a chosen ``dot_general`` (or the engine's
-float32-accumulating ``jmp_dot_general``) between three quantisers, the
-structure of Flax's ``Fp8DotGeneralOp`` (``flax/linen/fp8_ops.py``, Flax
-0.12.8: ``in_qdq`` on each operand, ``out_qdq`` on the output):
+`jmp_lite._instrument` replaces a chosen ``dot_general`` (or the engine's
+float32-accumulating ``jmp_dot_general``) by `matmul`, which computes what
+Transformer Engine's fp8 GEMMs compute:
 
-* each operand is quantised to e4m3 with its delayed scale and read back in
-  its own dtype (the compute dtype), and its gradient passes straight through;
-* the product is the original equation, re-bound: it accumulates in float32
-  under the engine and its output is in the compute dtype;
-* the output's cotangent is quantised to e5m2 with its delayed scale and read
-  back before it reaches the product's transposes.
+* forward: each operand quantised to e4m3 (`jmp_lite.fp8.quantize`: float32
+  arithmetic, one rounding), one ``dot_general`` of the two fp8 arrays
+  accumulating in float32, times the two dequantisation scales, rounded once
+  to the equation's output dtype;
+* backward: the output cotangent quantised to e5m2, and the two products of
+  the transposes, e5m2 x e4m3, in the same form; the operands' own
+  gradients pass straight through the quantisers.
 
-XLA's GPU compiler turns ``convert(fp8) * scale`` feeding a ``dot`` into one
-fp8 GEMM with the scales as its operands (the pattern Flax's and
-Transformer Engine's JAX layers rely on), so on a GPU with fp8 units this is
-the native fp8 matmul; on other backends it runs as written, emulated.
+The ``dot_general``s are written on fp8 arrays, so no compiler can fold the
+quantisation away: XLA:GPU has to pick an fp8 GEMM (on GPUs with fp8 units,
+``__cublas$lt$matmul$f8``), and XLA:CPU computes the same product of the same
+fp8 values by converting them to float32. The pattern Flax's
+``Fp8DotGeneralOp`` emits instead (``convert`` to fp8 and back, then a dot
+in the compute dtype) is one XLA:GPU's default excess precision removes,
+leaving a bf16 GEMM of the unquantised operands.
 
-The three scales come in through one float32 ``[3]`` slice of the carrier
-(lhs, rhs, gradient), and each tensor's absolute maximum goes back as that
-slice's cotangent, in the same pass: the site is used once per carrier row,
-so the cotangent is exactly the maximum, never a sum.
+The backward pass keeps the fp8 operands and the scales as its residuals,
+not dequantised copies: a byte per element.
+
+The three scales come in through one float32 ``[6]`` slice of the carrier
+(lhs, rhs, gradient, then the three factors ``1 / scale`` that quantise),
+and each tensor's absolute maximum goes back as the scales' cotangent, in
+the same pass: the site is used once per carrier row, so the cotangent is
+exactly the maximum, never a sum.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Optional
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _exact
+from jmp_lite import _fp8_numerics
 from jmp_lite import _probes
 from jmp_lite import _replicas
-from jmp_lite import fp8 as fp8_lib
 
-WIDTH = 3  # lhs, rhs, gradient
+ROLES = 3  # lhs, rhs, gradient
+# A site's slice of the carrier: the three scales, then their reciprocals
+# (computed for every site of a step at once, `jmp_lite.fp8.reciprocal`,
+# outside the differentiated function). The cotangent of the first three is
+# the three maxima; of the last three, zero.
+WIDTH = 2 * ROLES
 
 MARK = "jmp_lite_fp8"  # name scope wrap opens around an fp8 module's call
 
@@ -50,63 +65,105 @@ def mark(recipe: Optional[str], path: str) -> str:
   return f"{MARK}={recipe or 'off'}@{path.replace('/', '.')}"
 
 
-
-
 def _amax(x) -> jax.Array:
-  return jnp.max(jnp.abs(x)).astype(jnp.float32)
+  """max |x| of the values ``x`` holds (read through `_exact.widen`: XLA:GPU
+  may otherwise measure a bf16 value it kept in float32)."""
+  return jnp.max(jnp.abs(_exact.widen(x))).astype(jnp.float32)
 
 
-def _cotangent(amax, slot, axes):
-  """``amax`` in slot ``slot`` of a zero ``[3]``, typed like the carrier."""
-  return _probes._varying(jnp.zeros((WIDTH,), jnp.float32).at[slot].set(amax), axes)
+def _scaled_dot(a, b, dimension_numbers, scale_a, scale_b):
+  """``dot_general(a, b)`` of fp8 arrays in float32, times both scales.
+
+  One scale at a time: their product could overflow (or underflow) float32
+  where the result does not.
+  """
+  out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+  return out * scale_a * scale_b
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _in_qdq(x, carrier, slot, dtype, axes):
-  return fp8_lib.qdq(x, dtype, carrier[slot])
+def _remaining(n, *removed):
+  gone = set(itertools.chain(*removed))
+  return [i for i in range(n) if i not in gone]
 
 
-def _in_qdq_fwd(x, carrier, slot, dtype, axes):
-  return _in_qdq(x, carrier, slot, dtype, axes), _amax(x)
+def _lhs_transpose(dimension_numbers, x_ndim, y_ndim, swap_ans=False):
+  """The dimension numbers and permutation of ``dot_general``'s lhs transpose.
+
+  Transcribed from JAX's ``_dot_general_transpose_lhs``
+  (jax/_src/lax/lax.py, jax 0.10.2): the cotangent of ``x`` in
+  ``dot_general(x, y)`` is ``transpose(dot_general(g, y, dims), perm)``.
+  Returns ``(dims, perm)``.
+  """
+  (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+  x_kept = _remaining(x_ndim, x_contract, x_batch)
+  y_kept = _remaining(y_ndim, y_contract, y_batch)
+  nb = len(x_batch)
+  ans_batch = list(range(nb))
+  if swap_ans:  # the answer's axes: batch, y's kept, x's kept
+    ans_y = list(range(nb, nb + len(y_kept)))
+  else:  # batch, x's kept, y's kept
+    ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+  dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+  x_contract_by_y = [int(x_contract[i]) for i in np.argsort(np.asarray(y_contract, int))]
+  unsorted = list(x_batch) + x_kept + x_contract_by_y
+  return dims, tuple(int(i) for i in np.argsort(unsorted))
 
 
-def _in_qdq_bwd(slot, dtype, axes, amax, g):
-  del dtype
-  return g, _cotangent(amax, slot, axes)
+def _cotangents(q_g, q_lhs, q_rhs, scales, dimension_numbers):
+  """float32 cotangents of both operands from fp8 ``q_g``, ``q_lhs``, ``q_rhs``."""
+  s_lhs, s_rhs, s_g = scales[0], scales[1], scales[2]
+  dims, perm = _lhs_transpose(dimension_numbers, q_lhs.ndim, q_rhs.ndim)
+  d_lhs = lax.transpose(_scaled_dot(q_g, q_rhs, dims, s_g, s_rhs), perm)
+  (lc, rc), (lb, rb) = dimension_numbers
+  swapped = ((rc, lc), (rb, lb))
+  dims, perm = _lhs_transpose(swapped, q_rhs.ndim, q_lhs.ndim, swap_ans=True)
+  d_rhs = lax.transpose(_scaled_dot(q_g, q_lhs, dims, s_g, s_lhs), perm)
+  return d_lhs, d_rhs
 
 
-_in_qdq.defvjp(_in_qdq_fwd, _in_qdq_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul(lhs, rhs, carrier, static):
+  return _matmul_fwd(lhs, rhs, carrier, static)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _out_qdq(y, carrier, dtype, axes):
-  return y
+def _matmul_fwd(lhs, rhs, carrier, static):
+  dimension_numbers, out_dtype, _, _, forward, _, _ = static
+  scales, factors = carrier[:ROLES], carrier[ROLES:]
+  q_lhs = _fp8_numerics.quantize_by(lhs, forward, factors[0])
+  q_rhs = _fp8_numerics.quantize_by(rhs, forward, factors[1])
+  out = _scaled_dot(q_lhs, q_rhs, dimension_numbers, scales[0], scales[1]).astype(out_dtype)
+  return out, (q_lhs, q_rhs, scales, factors[2], jnp.stack([_amax(lhs), _amax(rhs)]))
 
 
-def _out_qdq_fwd(y, carrier, dtype, axes):
-  return y, carrier[2]
+def _matmul_bwd(static, residuals, g):
+  dimension_numbers, _, lhs_dtype, rhs_dtype, _, backward, axes = static
+  q_lhs, q_rhs, scales, factor, amax = residuals
+  q_g = _fp8_numerics.quantize_by(g, backward, factor)
+  d_lhs, d_rhs = _cotangents(q_g, q_lhs, q_rhs, scales, dimension_numbers)
+  found = _probes._varying(
+      jnp.concatenate([amax, _amax(g)[None], jnp.zeros((ROLES,), jnp.float32)]), axes)
+  return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), found
 
 
-def _out_qdq_bwd(dtype, axes, scale, g):
-  return fp8_lib.qdq(g, dtype, scale), _cotangent(_amax(g), 2, axes)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-_out_qdq.defvjp(_out_qdq_fwd, _out_qdq_bwd)
-
-
-def matmul(bind, lhs, rhs, carrier, forward=fp8_lib.FORMATS["e4m3"],
-           backward=fp8_lib.FORMATS["e5m2"]):
-  """``bind(lhs, rhs)`` with fp8 operands and an fp8 output cotangent.
+def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
+           forward=_fp8_numerics.FORMATS["e4m3"], backward=_fp8_numerics.FORMATS["e5m2"]):
+  """``dot_general(lhs, rhs, dimension_numbers)`` as an fp8 GEMM, in ``out_dtype``.
 
   Args:
-    bind: computes the product of the (dequantised) operands.
     lhs, rhs: the operands, in the compute dtype.
-    carrier: float32 ``[3]``: the lhs, rhs and gradient dequantisation
-      scales; its cotangent is their three absolute maxima.
+    carrier: float32 ``[6]``: the lhs, rhs and gradient dequantisation
+      scales, then their reciprocals (`jmp_lite._fp8_numerics.site_carrier`); the cotangent is the
+      three absolute maxima, then zeros.
+    dimension_numbers: ``dot_general``'s.
+    out_dtype: the product's dtype (the equation's).
     forward, backward: the fp8 formats of the operands and of the gradient.
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
-  forward, backward = np.dtype(forward), np.dtype(backward)
-  q_lhs = _in_qdq(lhs, carrier, 0, forward, axes)
-  q_rhs = _in_qdq(rhs, carrier, 1, forward, axes)
-  return _out_qdq(bind(q_lhs, q_rhs), carrier, backward, axes)
+  dimension_numbers = tuple(tuple(tuple(int(i) for i in d) for d in pair)
+                            for pair in dimension_numbers)
+  static = (dimension_numbers, np.dtype(out_dtype), np.dtype(lhs.dtype),
+            np.dtype(rhs.dtype), np.dtype(forward), np.dtype(backward), axes)
+  return _matmul(lhs, rhs, carrier, static)

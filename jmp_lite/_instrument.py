@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _dtypes
+from jmp_lite import _fp8_numerics
 from jmp_lite import _fp8_sites
 from jmp_lite import _internals
 from jmp_lite import _probes
@@ -210,8 +211,8 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
     site = next((p for j, p in points if p.recipe is not None), None)
     if site is not None:
       lhs, rhs = invals
-      outs = _fp8_sites.matmul(lambda a, b: _internals.bind(eqn, [a, b]), lhs, rhs,
-                               carrier[site.offset:site.offset + site.width],
+      outs = _fp8_sites.matmul(lhs, rhs, carrier[site.offset:site.offset + site.width],
+                               eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype,
                                *(fp8_lib.FORMATS[f] for f in site.recipe))
     else:
       # A mark is bound as it is: JAX may have moved a cast into its body.
@@ -314,7 +315,7 @@ def _trace(fun, args, kwargs, planner: "_Planner"):
 
 
 def sites(plan: Plan) -> list[tuple[str, Point, np.ndarray]]:
-  """The fp8 matmul sites of ``plan``: name, point and carrier indices ``[..., 3]``.
+  """The fp8 matmul sites of ``plan``: name, point and carrier indices ``[..., 6]``.
 
   Named by module path (or name-scope path), with ``#2``, ``#3``... for a
   path's later matmuls, in forward order.
@@ -370,7 +371,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
     if slots:
       scales = _check_state(fp8_state, slots)
       carrier = carrier.at[np.concatenate([i.ravel() for _, _, i in slots])].set(
-          jnp.concatenate([scales[name].ravel() for name, _, _ in slots]))
+          _fp8_numerics.site_carrier([scales[name] for name, _, _ in slots]))
     if _replicas.manual_axes() and _replicas.tracks_varying(_replicas.manual_axes()):
       # Per-device statistics: a carrier varying over every manual axis
       # takes them without the sum a replicated input's gradient gets.
@@ -378,7 +379,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
     (value, aux), grads = jax.value_and_grad(probed, argnums=(0, *shifted),
                                              has_aux=True, allow_int=allow_int)(carrier, *args, **kwargs)
     rows = [(p.path, p.dtype, a) for p, a in decode(grads[0], plan) if p.recipe is None]
-    amax = {name: grads[0][idx] for name, _, idx in slots}
+    amax = {name: grads[0][idx][..., :_fp8_sites.ROLES] for name, _, idx in slots}
     return ((value, aux), tuple(grads[1:])), rows, amax
 
   return g

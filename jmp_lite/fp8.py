@@ -29,66 +29,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _struct
+from jmp_lite._fp8_numerics import FORMATS
+from jmp_lite._fp8_numerics import _format
+from jmp_lite._fp8_numerics import _check_compute_dtype
+from jmp_lite._fp8_numerics import _next_scales
+from jmp_lite._fp8_numerics import dequantize
+from jmp_lite._fp8_numerics import qdq
+from jmp_lite._fp8_numerics import quantize
+from jmp_lite._fp8_numerics import quantize_by
+from jmp_lite._fp8_numerics import reciprocal
 
 __all__ = ("DelayedScaling", "FORMATS", "Fp8State", "MatmulMeta", "dequantize",
-           "init", "qdq", "quantize", "restore")
+           "init", "qdq", "quantize", "quantize_by", "reciprocal", "restore")
 
-# The formats of the "hybrid" recipe: e4m3 (more precision) for forward
-# values, e5m2 (more range) for gradients.
-FORMATS = {"e4m3": np.dtype(jnp.float8_e4m3fn), "e5m2": np.dtype(jnp.float8_e5m2)}
 _ALGORITHMS = ("max", "most_recent")
 
-
-def _format(dtype: Any) -> np.dtype:
-  if isinstance(dtype, str) and dtype in FORMATS:
-    return FORMATS[dtype]
-  try:
-    dt = np.dtype(dtype)
-  except TypeError as e:
-    kind = ValueError if isinstance(dtype, str) else TypeError
-    raise kind(f"not an fp8 format: {dtype!r}; use one of {sorted(FORMATS)}") from e
-  if dt not in FORMATS.values():
-    raise ValueError(f"not an fp8 format: {dtype!r}; use one of {sorted(FORMATS)} "
-                     f"({', '.join(d.name for d in FORMATS.values())})")
-  return dt
-
-
-def quantize(x: jax.Array, dtype: Any, scale: jax.Array,
-             compute_dtype: Any = None) -> jax.Array:
-  """``x / scale``, saturated to the format's range, in fp8 ``dtype``.
-
-  Non-finite values stay non-finite, so that an overflow upstream still
-  reaches the finiteness check.
-
-  Args:
-    x: the values.
-    dtype: an fp8 format (``"e4m3"``, ``"e5m2"`` or the dtype).
-    scale: the dequantisation scale (a scalar).
-    compute_dtype: the dtype of the division and clipping (default ``x``'s).
-  """
-  dtype = _format(dtype)
-  compute_dtype = x.dtype if compute_dtype is None else np.dtype(compute_dtype)
-  top = jnp.asarray(jnp.finfo(dtype).max, compute_dtype)
-  x = x.astype(compute_dtype)
-  scaled = x / scale.astype(compute_dtype)
-  # Finite values saturate; inf and NaN stay non-finite (inf, or NaN in
-  # e4m3fn, which has no inf). Flax's fp8_ops clips them too, which turns an
-  # overflowed (scaled) gradient into a finite one: the finiteness check
-  # then passes, the step applies garbage and the loss scale never backs off.
-  return jnp.where(jnp.isfinite(x), jnp.clip(scaled, -top, top), scaled).astype(dtype)
-
-
-def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-  """``q * scale`` in ``dtype``."""
-  return q.astype(dtype) * scale.astype(dtype)
-
-
-def qdq(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
-  """``x`` quantised to ``dtype`` and read back, in ``x``'s dtype.
-
-  Flax's ``fp8_ops.qdq`` with the compute dtype being ``x``'s own.
-  """
-  return dequantize(quantize(x, dtype, scale), scale, x.dtype)
+for _f in (dequantize, qdq, quantize, quantize_by, reciprocal):
+  _f.__module__ = __name__  # documented here, defined in jmp_lite._fp8_numerics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,27 +102,26 @@ class DelayedScaling:
   def next_scale(self) -> jax.Array:
     """The scale the history asks for; the current one where it has no answer.
 
-    ``max / amax / 2**margin`` inverted, kept as it is while the chosen amax
+    ``1 / ((max / amax) / 2**margin)``, kept as it is while the chosen amax
     is zero (nothing seen yet) or not finite (Flax's ``compute_scale``, TE's
-    ``update_fp8_metas``).
+    ``update_fp8_metas``). Both divisions are correctly rounded on every
+    backend (TE divides with ``__fdiv_rn`` for the same reason), and the
+    factor is clamped to ``[2**-126, 2**126]``: an amax of 1e-36 gives a
+    factor float32 cannot hold, where Flax's scale becomes 0 and every
+    quantised value NaN.
     """
-    amax = (jnp.max(self.amax_history, axis=-1) if self.algorithm == "max"
-            else self.amax_history[..., 0])
-    top = jnp.float32(jnp.finfo(self.dtype).max)
-    inverse = 1.0 / self.scale
-    sf = (top / amax) / (2.0 ** self.margin)
-    sf = jnp.where(amax > 0.0, sf, inverse)
-    sf = jnp.where(jnp.isfinite(amax), sf, inverse)
-    return 1.0 / sf
+    return _next_scales([self])[0]
 
   def qdq(self, x: jax.Array, compute_dtype: Any = None) -> tuple[jax.Array, "DelayedScaling"]:
     """``x`` quantised with the delayed scale and read back, and the new state.
 
     The scale comes from the history of earlier steps; this step's amax
-    joins the history for the next ones.
+    joins the history for the next ones. ``compute_dtype`` is accepted for
+    Flax's signature: quantisation is float32 arithmetic (`quantize`).
     """
     scale = self.next_scale()
-    y = dequantize(quantize(x, self.dtype, scale, compute_dtype), scale, x.dtype)
+    _check_compute_dtype(compute_dtype)
+    y = qdq(x, self.dtype, scale)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     return y, _struct.replace_fields(self, amax_history=_roll_in(self.amax_history, amax),
                                      scale=scale)
@@ -180,10 +136,18 @@ class DelayedScaling:
     Engine keep an inf for ``history_length`` steps and freeze the scale that
     long.
     """
+    return _update_all([self], [amax])[0]
+
+
+def _update_all(metas: list, amaxes: list) -> list:
+  """`DelayedScaling.update` of each meta with its amax, the scales together."""
+  rolled = []
+  for meta, amax in zip(metas, amaxes):
     amax = jnp.asarray(amax, jnp.float32)
     amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
-    new = _struct.replace_fields(self, amax_history=_roll_in(self.amax_history, amax))
-    return _struct.replace_fields(new, scale=new.next_scale())
+    rolled.append(_struct.replace_fields(
+        meta, amax_history=_roll_in(meta.amax_history, amax)))
+  return [_struct.replace_fields(m, scale=s) for m, s in zip(rolled, _next_scales(rolled))]
 
 
 def _roll_in(history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -247,9 +211,7 @@ class MatmulMeta:
 
   def commit(self) -> "MatmulMeta":
     """`observed` recorded in each history (`DelayedScaling.update`), then reset."""
-    o = self.observed
-    return MatmulMeta(lhs=self.lhs.update(o[..., 0]), rhs=self.rhs.update(o[..., 1]),
-                      grad=self.grad.update(o[..., 2]), observed=jnp.zeros_like(o))
+    return _commit_all([self])[0]
 
   def rescale_gradient(self, factor: jax.Array) -> "MatmulMeta":
     """The gradient's history and scale times ``factor``.
@@ -303,12 +265,23 @@ class Fp8State:
         self, sites={k: m.observe(amax[k]) for k, m in self.sites.items()})
 
   def commit(self) -> "Fp8State":
+    """Every site's `MatmulMeta.commit`, with one scale computation for all."""
+    names = list(self.sites)
     return _struct.replace_fields(
-        self, sites={k: m.commit() for k, m in self.sites.items()})
+        self, sites=dict(zip(names, _commit_all([self.sites[k] for k in names]))))
 
   def rescale_gradients(self, factor: jax.Array) -> "Fp8State":
     return _struct.replace_fields(
         self, sites={k: m.rescale_gradient(factor) for k, m in self.sites.items()})
+
+
+def _commit_all(metas: list) -> list:
+  """`MatmulMeta.commit` of each, the scales of every tensor computed together."""
+  tensors = [t for m in metas for t in (m.lhs, m.rhs, m.grad)]
+  amaxes = [m.observed[..., i] for m in metas for i in range(3)]
+  new = _update_all(tensors, amaxes)
+  return [MatmulMeta(lhs=new[3 * i], rhs=new[3 * i + 1], grad=new[3 * i + 2],
+                     observed=jnp.zeros_like(m.observed)) for i, m in enumerate(metas)]
 
 
 def _same_sites(sites: dict, other: dict) -> None:

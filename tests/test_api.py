@@ -147,7 +147,7 @@ PUBLIC_MODULES = {
                     "is_replicated_everywhere", "AxisName"},
     "flax": {"wrap", "policy_map", "default_rules"},
     "fp8": {"DelayedScaling", "FORMATS", "Fp8State", "MatmulMeta", "dequantize", "init",
-            "qdq", "quantize", "restore"},
+            "qdq", "quantize", "quantize_by", "reciprocal", "restore"},
     "hardware": {"Hardware", "describe", "measure_matmuls", "CPU_FLAGS"},
     "loss_scale": {"LossScale", "NoOpLossScale", "StaticLossScale",
                    "DynamicLossScale", "all_finite", "select_tree", "AxisName"},

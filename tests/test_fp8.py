@@ -141,3 +141,86 @@ def test_the_state_is_a_pytree_with_static_options_and_compiles_once():
 def test_bad_arguments_are_named(kwargs, error, match):
   with pytest.raises(error, match=match):
     fp8.DelayedScaling.create(**kwargs)
+
+
+# Safe numerics in every compute dtype ----------------------------------------------
+
+
+def _np_quantize(x, dtype, scale):
+  """Transformer Engine's cast with our scale, in NumPy float32: ``x`` times
+  the (IEEE) reciprocal of the scale clamped to [2**-126, 2**126], saturated,
+  non-finite values kept (transformer_engine/common/recipe/recipe_common.cuh
+  at 01c24fe clamps the quantisation factor instead of letting it be inf)."""
+  x = np.asarray(x).astype(np.float32)
+  inv = np.float32(1) / np.clip(np.float32(scale), np.float32(2.0 ** -126), np.float32(2.0 ** 126))
+  top = np.float32(ml_dtypes.finfo(dtype).max)
+  with np.errstate(over="ignore", invalid="ignore"):
+    y = x * inv
+  return np.where(np.isfinite(x), np.clip(y, -top, top), y).astype(dtype)
+
+
+def _shared_values(seed, n=4096):
+  """Values bfloat16, float16 and float32 all hold: 8 significant bits, within
+  float16's normal range, with zeros, an inf and a NaN."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(n) * 2.0 ** rng.integers(-12, 13, n)
+  x = np.clip(x, -60000, 60000)
+  x = np.where(np.abs(x) < 2.0 ** -14, 0.0, x)
+  x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+  x[:3] = [0.0, np.inf, np.nan]
+  assert np.array_equal(x.astype(np.float16).astype(np.float32), x, equal_nan=True)
+  return x
+
+
+SCALES = [1.0, 0.37, 1024.0, 1.5e-5, 2.0 ** -126, 2.0 ** 126, 3.0e-39, 1e-30, 3e38]
+
+
+@pytest.mark.parametrize("name, dtype", FORMATS)
+@pytest.mark.parametrize("scale", SCALES)
+def test_quantize_is_tes_cast_in_every_compute_dtype(name, dtype, scale):
+  """bf16, f16 and f32 inputs holding the same values quantise alike, as TE
+  quantises from float32; scales at and past the normal range are clamped,
+  never giving 0, inf or NaN for a finite input."""
+  x = _shared_values(0)
+  want = _np_quantize(x, dtype, scale)
+  for compute in (jnp.bfloat16, jnp.float16, jnp.float32):
+    got = np.asarray(jax.jit(lambda v: fp8.quantize(v, name, jnp.float32(scale)))(
+        jnp.asarray(x, compute)))
+    assert got.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(got.view(np.uint8)[3:], want.view(np.uint8)[3:])
+    assert not np.isfinite(got[1:3].astype(np.float32)).any()
+    assert np.isfinite(got[3:].astype(np.float32)).all()
+
+
+def test_float16_quantisation_with_a_tiny_scale_is_finite():
+  """Flax's ``qdq(f16[0, 1e-4, -3e-4, 0.5], e5m2, 1.5e-5)`` gives
+  ``[nan, 0.86, -0.86, 0.86]``: ``1 / 1.5e-5`` overflows float16."""
+  x = jnp.asarray([0.0, 1e-4, -3e-4, 0.5], jnp.float16)
+  got = fp8.qdq(x, "e5m2", jnp.float32(1.5e-5))
+  q = _np_quantize(np.asarray(x), jnp.float8_e5m2, 1.5e-5)
+  want = (q.astype(np.float32) * np.float32(1.5e-5)).astype(np.float16)
+  assert got.dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(got), want)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(fp8.qdq(x.astype(jnp.float32), "e5m2",
+                                                                    jnp.float32(1.5e-5))).astype(np.float16))
+
+
+@pytest.mark.parametrize("amax", [1e-36, 1e-40, 3e38], ids=["tiny", "subnormal", "huge"])
+@pytest.mark.parametrize("margin", [0, 4])
+def test_a_scale_is_never_zero_inf_or_subnormal(amax, margin):
+  """An amax of 1e-36 asks for a factor float32 cannot hold: Flax's scale is
+  0 there and ``qdq([0, a, -a/2])`` gives ``[nan, 0, -0]``."""
+  meta = fp8.DelayedScaling.create("e4m3", history_length=4, margin=margin)
+  meta = meta.update(jnp.float32(amax))
+  scale = np.float32(meta.scale)
+  assert np.isfinite(scale) and scale >= np.finfo(np.float32).tiny
+  a = np.float32(amax)
+  x = jnp.asarray([0.0, a, -a / 2], jnp.float32)
+  y, _ = meta.qdq(x)
+  assert np.isfinite(np.asarray(y)).all()
+  if a >= np.finfo(np.float32).tiny:
+    assert float(y[1]) > 0 and float(y[2]) < 0  # both still there, signs kept
+  # In range, the scale is TE's: 1 / ((448 / amax) / 2**margin).
+  if amax == 3e38:
+    want = np.float32(1) / ((np.float32(448) / a) / np.float32(2.0 ** margin))
+    assert scale == want

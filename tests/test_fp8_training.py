@@ -5,8 +5,9 @@ Oracles, none of them jmp_lite's fp8 code:
 * Flax's own fp8 layer, ``flax.linen.Fp8DotGeneralOp`` (Flax 0.12.8,
   ``flax/linen/fp8_ops.py``: ``in_qdq`` on both operands, ``out_qdq`` on the
   output cotangent, the amax histories and scales carried as
-  ``_overwrite_with_gradient`` variables), trained side by side and compared
-  bitwise: losses, gradients, parameters, every history, every scale;
+  ``_overwrite_with_gradient`` variables), stepped from the same state:
+  scales and operand histories bitwise, losses and gradients to float32
+  rounding (its matmul dequantises before the dot, ours after);
 * the traced program itself (``jax.make_jaxpr``): which fp8 conversions and
   which matmuls it holds;
 * maxima computed by hand with NumPy (the first layer's input, the kernels,
@@ -27,6 +28,7 @@ configuration and shared.
 
 import functools
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -175,16 +177,25 @@ FLAX_NAMES = {"lhs": "input", "rhs": "kernel", "grad": "output_grad"}
 
 
 @pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated:DeprecationWarning")
-def test_bitwise_equal_to_flax_fp8_dot_general_op():
+def test_each_step_agrees_with_flax_fp8_dot_general_op_from_the_same_state():
   """Flax's ``nn.Fp8DotGeneralOp`` (flax 0.12.8, ``flax/linen/fp8_ops.py``) as the oracle.
 
   The same MLP, once with Flax's fp8 layer and once plain under wrap with an
-  fp8 rule, all in float32 (Flax quantises in the dot's dtype), trained by
-  hand with SGD on inputs whose amplitude jumps (0.1x to 300x), with a
-  history of 8 so that the largest entry leaves the window before the end.
-  Flax's ``*_scale`` after step t is the scale step t used; ours is the one
-  the next step will use, which is Flax's after step t + 1, and
-  ``fp8_ops.compute_scale`` of Flax's history.
+  fp8 rule, all in float32 (Flax quantises in the dot's dtype), on inputs
+  whose amplitude jumps (0.1x to 300x), with a history of 8 so that the
+  largest entry leaves the window before the end. Each step starts Flax
+  from our parameters and our metadata, so that the two quantise with the
+  same scales:
+
+  * the scale Flax computes from the history (``fp8_ops.compute_scale``) is
+    the one our state holds for the step, bitwise, and so are the new
+    histories of the values both see alike (the input, the kernels);
+  * the loss, the gradients and the gradient's amax agree to float32
+    rounding. They are not bitwise equal by design: Flax dequantises each
+    operand (``q * scale`` rounded to float32) and multiplies those, ours
+    multiplies the fp8 values in an fp8 ``dot_general`` and applies the
+    scales to the product (Transformer Engine's GEMM), which XLA:GPU cannot
+    fold back into a bf16 GEMM.
   """
   H, lr = 8, 1e-3
   f32 = "p=f32,c=f32,o=f32"
@@ -192,50 +203,53 @@ def test_bitwise_equal_to_flax_fp8_dot_general_op():
   ours = jmp_lite.flax.wrap(MLP(), f32, rules={nn.Dense: f32 + ",fp8=hybrid"})
   x, y = _batch(1)
   init = jax.eval_shape(theirs.init, jax.random.key(0), x)
-  # Flax's initial metadata (scales of ones, histories of 1024 zeros), with
-  # 8 zeros; its params are ours.
-  meta = jax.tree.map(lambda a: jnp.zeros((H,), jnp.float32) if a.shape == (1024,)
-                      else jnp.ones(a.shape, a.dtype), init[OWG])
   for site in SITES:
-    assert set(meta[site]["Fp8DotGeneralOp_0"]) == {
+    assert set(init[OWG][site]["Fp8DotGeneralOp_0"]) == {
         f"{n}_{w}" for n in FLAX_NAMES.values() for w in ("amax_history", "scale")}
   assert jax.tree.structure(init["params"]) == jax.tree.structure(_params())
   params = _params(7)
-  v = {"params": params, OWG: meta}
   ref_vg = jax.jit(jax.value_and_grad(lambda v, x, y: _xent(theirs.apply(v, x), y)))
   our_vg = jax.jit(lambda p, x, y, st: jmp_lite.value_and_grad(
       lambda p, x, y: _xent(ours.apply({"params": p}, x), y))(p, x, y, fp8=st))
   st = fp8.init(lambda p, x, y: _xent(ours.apply({"params": p}, x), y), params, x, y,
                 history_length=H)
   assert list(st.sites) == list(SITES)
+  used = {(s, r): np.float32(1) for s in SITES for r in ROLES}  # the scales of the step before
   amplitudes = [1.0, 300.0, 0.1, 10.0, 1.0, 0.1, 3.0, 1.0, 0.3, 1.0]
-  ours_scales = []
   for t, amp in enumerate(amplitudes):
     xt = x * jnp.float32(amp)
-    ref_loss, ref_grads = ref_vg(v, xt, y)
-    loss, grads, finite, st = our_vg(params, xt, y, st)
+    meta = {site: {"Fp8DotGeneralOp_0": {
+        f"{FLAX_NAMES[r]}_{w}": (getattr(st.sites[site], r).amax_history if w == "amax_history"
+                                 else jnp.asarray(used[site, r]).reshape(1))
+        for r in ROLES for w in ("amax_history", "scale")}} for site in SITES}
+    ref_loss, ref_grads = ref_vg({"params": params, OWG: meta}, xt, y)
+    loss, grads, finite, new = our_vg(params, xt, y, st)
     assert bool(finite)
-    _eq(loss, ref_loss)
-    assert_trees_bitwise_equal(grads, ref_grads["params"], f"step {t} grads")
-    v = {"params": jax.tree.map(lambda a, g: a - lr * g, v["params"], ref_grads["params"]),
-         OWG: ref_grads[OWG]}  # Flax's "gradient" of its metadata is the new metadata
-    params = jax.tree.map(lambda a, g: a - lr * g, params, grads)
-    assert_trees_bitwise_equal(params, v["params"], f"step {t} params")
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads),
+                            jax.tree.leaves(ref_grads["params"])):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(jnp.max(jnp.abs(b))),
+                                 err_msg=f"step {t} {jax.tree_util.keystr(path)}")
     for site in SITES:
-      flax_meta = v[OWG][site]["Fp8DotGeneralOp_0"]
+      flax_meta = ref_grads[OWG][site]["Fp8DotGeneralOp_0"]
       for role in ROLES:
-        ours_role = getattr(st.sites[site], role)
-        theirs_history = flax_meta[FLAX_NAMES[role] + "_amax_history"]
-        theirs_scale = flax_meta[FLAX_NAMES[role] + "_scale"]
-        _eq(ours_role.amax_history, theirs_history)
         dtype = jnp.float8_e5m2 if role == "grad" else jnp.float8_e4m3fn
-        _eq(ours_role.scale.reshape(1), fp8_ops.compute_scale(
-            jnp.max(theirs_history), theirs_scale, fp8_ops.get_fp8_max(dtype, jnp.float32)))
-        if t > 0:  # the scale this step used: ours from the step before
-          _eq(ours_scales[-1][site, role].reshape(1), theirs_scale)
-    ours_scales.append({(s, r): getattr(st.sites[s], r).scale for s in SITES for r in ROLES})
+        # The scale this step used: Flax's, from the same history.
+        _eq(getattr(st.sites[site], role).scale.reshape(1), flax_meta[FLAX_NAMES[role] + "_scale"])
+        _eq(flax_meta[FLAX_NAMES[role] + "_scale"], fp8_ops.compute_scale(
+            jnp.max(meta[site]["Fp8DotGeneralOp_0"][FLAX_NAMES[role] + "_amax_history"]),
+            jnp.asarray(used[site, role]).reshape(1), fp8_ops.get_fp8_max(dtype, jnp.float32)))
+        ours_history = getattr(new.sites[site], role).amax_history
+        theirs_history = flax_meta[FLAX_NAMES[role] + "_amax_history"]
+        if role == "rhs" or (role, site) == ("lhs", "Dense_0"):  # the same values
+          _eq(ours_history, theirs_history)
+        else:  # the hidden activations and the cotangents: float32 rounding apart
+          np.testing.assert_allclose(ours_history, theirs_history, rtol=1e-4)
+        used[site, role] = np.float32(getattr(st.sites[site], role).scale)
+    st = new
+    params = jax.tree.map(lambda a, g: a - lr * g, params, grads)
   # The 300x step left the window: the input's scale came back down.
-  assert float(st.sites["Dense_0"].lhs.scale) < float(ours_scales[-2]["Dense_0", "lhs"])
+  assert float(st.sites["Dense_0"].lhs.scale) < float(used["Dense_0", "lhs"]) * 10
 
 
 # ------------------------------------------------------------- 2. the program
@@ -253,35 +267,50 @@ def _eqns(jaxpr):
           yield from _eqns(sub)
 
 
-def test_the_step_quantises_in_fp8_and_accumulates_in_float32():
+def test_the_step_quantises_in_fp8_and_multiplies_fp8_arrays():
   x, y = _batch(0)
   params = _params()
   st = _meta()
-  closed = jax.make_jaxpr(lambda p, st: jmp_lite.value_and_grad(_loss)(p, x, y, fp8=st))(
-      params, st)
+  step = lambda p, st: jmp_lite.value_and_grad(_loss)(p, x, y, fp8=st)
+  closed = jax.make_jaxpr(step)(params, st)
   eqns = list(_eqns(closed.jaxpr))
   converts = [(np.dtype(e.invars[0].aval.dtype), np.dtype(e.params["new_dtype"]))
               for e in eqns if e.primitive.name == "convert_element_type"]
   e4m3, e5m2, bf16 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2), np.dtype(jnp.bfloat16)
+  f32 = np.dtype(np.float32)
   sites = len(st.sites)
   assert sites == 2
   # Two operands per site quantised to e4m3, one cotangent to e5m2, each from
-  # the compute dtype and read back into it.
-  assert converts.count((bf16, e4m3)) == 2 * sites
-  assert converts.count((e4m3, bf16)) == 2 * sites
-  assert converts.count((bf16, e5m2)) == sites
-  assert converts.count((e5m2, bf16)) == sites
+  # float32 (one rounding), and no fp8 value is ever converted back: the
+  # matmuls take them as they are.
+  assert converts.count((f32, e4m3)) == 2 * sites
+  assert converts.count((f32, e5m2)) == sites
   assert sum(1 for _, to in converts if to in (e4m3, e5m2)) == 3 * sites
-  # Every matmul (one forward, two transposes per site) is the engine's
-  # float32-accumulating one, on bfloat16 operands, with a bfloat16 result.
+  assert not [c for c in converts if c[0] in (e4m3, e5m2)]
+  # Every matmul (one forward, two transposes per site) is a dot_general on
+  # fp8 operands accumulating in float32: e4m3 x e4m3 forward, the e5m2
+  # cotangent with an e4m3 operand backward.
   dots = [e for e in eqns
           if "dot" in e.primitive.name or e.primitive.name.startswith("conv_general")]
   assert len(dots) == 3 * sites
+  operands = sorted(tuple(sorted(np.dtype(v.aval.dtype).name for v in e.invars)) for e in dots)
+  assert operands == sorted([(e4m3.name, e4m3.name)] * sites + [(e4m3.name, e5m2.name)] * 2 * sites)
   for e in dots:
-    assert e.primitive.name == "jmp_dot_general"
-    assert np.dtype(e.params["preferred_element_type"]) == np.float32
-    assert [np.dtype(v.aval.dtype) for v in e.invars] == [bf16, bf16]
-    assert [np.dtype(v.aval.dtype) for v in e.outvars] == [bf16]
+    assert e.primitive.name == "dot_general"
+    assert np.dtype(e.params["preferred_element_type"]) == f32
+    assert [np.dtype(v.aval.dtype) for v in e.outvars] == [f32]
+  # What XLA is given holds them too (XLA:CPU then converts the fp8 values to
+  # float32 for its dot; XLA:GPU picks an fp8 GEMM), and the compiled CPU
+  # program still reads fp8 arrays: the quantisation was not folded away.
+  lowered = jax.jit(step).lower(params, st)
+  lowered_dots = [line for line in lowered.as_text().splitlines()
+                  if "stablehlo.dot_general" in line]
+  kinds = [tuple(re.findall(r"x(f8E4M3FN|f8E5M2|bf16|f32)>", line)) for line in lowered_dots]
+  # jit drops the cotangent of the input, which nobody asked for.
+  assert sorted(kinds) == sorted([("f8E4M3FN", "f8E4M3FN", "f32")] * sites
+                                 + [("f8E5M2", "f8E4M3FN", "f32")] * (2 * sites - 1))
+  hlo = lowered.compile().as_text()
+  assert hlo.count("= f8e4m3fn[") >= 2 * sites and hlo.count("= f8e5m2[") >= sites
   # The modules' outputs are bfloat16 (Flax's own record of them), the
   # model's float32.
   out, inter = jax.eval_shape(lambda p: MODEL.apply(
