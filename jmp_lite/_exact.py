@@ -96,7 +96,8 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   dtype = jnp.result_type(a, b)
   if np.dtype(dtype) != np.float32:
     return a / b
-  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  # lax.div and lax.rem below take operands of one shape.
+  a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
   ma, ea = frexp(jnp.abs(a))
   mb, eb = frexp(jnp.abs(b))
   num = (ma * 2.0 ** 24).astype(jnp.int32)  # in [2**23, 2**24), exact
