@@ -367,15 +367,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
       return value, aux
 
     shifted = tuple(a + 1 for a in argnums)
-    carrier = jnp.zeros((plan.size,), jnp.float32)
-    if slots:
-      scales = _check_state(fp8_state, slots)
-      carrier = carrier.at[np.concatenate([i.ravel() for _, _, i in slots])].set(
-          _fp8_numerics.site_carrier([scales[name] for name, _, _ in slots]))
-    if _replicas.manual_axes() and _replicas.tracks_varying(_replicas.manual_axes()):
-      # Per-device statistics: a carrier varying over every manual axis
-      # takes them without the sum a replicated input's gradient gets.
-      carrier = jax.lax.pcast(carrier, _replicas.manual_axes(), to="varying")
+    carrier = _carrier(plan, slots, fp8_state)
     (value, aux), grads = jax.value_and_grad(probed, argnums=(0, *shifted),
                                              has_aux=True, allow_int=allow_int)(carrier, *args, **kwargs)
     rows = [(p.path, p.dtype, a) for p, a in decode(grads[0], plan) if p.recipe is None]
@@ -383,6 +375,44 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
     return ((value, aux), tuple(grads[1:])), rows, amax
 
   return g
+
+
+def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
+  """``fun(*args, **kwargs)`` with its fp8 sites run with ``fp8_state``'s scales.
+
+  The sites are chosen as the training step chooses them (the state's
+  ``select`` and ``recipe``), and each runs the same forward computation
+  (`jmp_lite._fp8_sites.matmul`), so for the same inputs and state the
+  output is the training forward's, bitwise. Nothing is measured or
+  updated.
+  """
+  if not isinstance(fp8_state, fp8_lib.Fp8State):
+    raise TypeError(f"fp8 must be a jmp_lite.fp8.Fp8State (from jmp_lite.fp8.init), "
+                    f"got {type(fp8_state).__name__}")
+  selection = Fp8Selection(fp8_state.select, fp8_state.recipe)
+  closed, plan, traced, out_tree = _trace(fun, args, kwargs,
+                                          _Planner(None, (), (), selection))
+  slots = sites(plan)
+  _check_state(fp8_state, slots)  # every site of the state, and no other
+  carrier = _carrier(plan, slots, fp8_state)
+  now = jax.tree_util.tree_leaves((args, kwargs))
+  outs = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced], carrier, plan)
+  return jax.tree_util.tree_unflatten(out_tree["tree"], outs)
+
+
+def _carrier(plan: Plan, slots, fp8_state) -> jax.Array:
+  """The float32 carrier of ``plan``: zeros, and each fp8 site's scales and
+  their reciprocals (`jmp_lite._fp8_numerics.site_carrier`)."""
+  carrier = jnp.zeros((plan.size,), jnp.float32)
+  if slots:
+    scales = _check_state(fp8_state, slots)
+    carrier = carrier.at[np.concatenate([i.ravel() for _, _, i in slots])].set(
+        _fp8_numerics.site_carrier([scales[name] for name, _, _ in slots]))
+  if _replicas.manual_axes() and _replicas.tracks_varying(_replicas.manual_axes()):
+    # Per-device statistics: a carrier varying over every manual axis
+    # takes them without the sum a replicated input's gradient gets.
+    carrier = jax.lax.pcast(carrier, _replicas.manual_axes(), to="varying")
+  return carrier
 
 
 def _check_state(state, slots) -> dict:

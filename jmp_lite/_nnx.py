@@ -75,7 +75,10 @@ class NnxWrapper(nnx.Module):
   def _policies(self, module) -> dict[tuple, Policy]:
     return _policies(self.rules, module)
 
-  def __call__(self, *args, **kwargs):
+  def __call__(self, *args, fp8=None, **kwargs):
+    """The model's call under the rules. ``fp8``: an `jmp_lite.fp8.Fp8State`
+    from training, whose scales the fp8 matmuls then run with (inference;
+    `jmp_lite.fp8.forward`)."""
     graphdef, state = nnx.split(self.module)
     policy = self.rules.policy
     if policy.autocast_dtype is not None:
@@ -84,7 +87,12 @@ class NnxWrapper(nnx.Module):
       run = _nnx_run(policy.reduce_dtype)
     else:
       run = _nnx_run_as_written
-    out, updates = run(self.rules, graphdef, state, *args, **kwargs)
+    if fp8 is not None:
+      from jmp_lite import _instrument  # pylint: disable=g-import-not-at-top
+      out, updates = _instrument.forward(run, fp8, self.rules, graphdef, state,
+                                         *args, **kwargs)
+    else:
+      out, updates = run(self.rules, graphdef, state, *args, **kwargs)
     # Write back only what the call changed (an eval-mode call under a plain
     # JAX transformation changes nothing, and may not mutate), in the stored
     # dtype: statistics are never downcast.

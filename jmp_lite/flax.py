@@ -218,7 +218,14 @@ class _LinenWrapper(nn.Module):
     return self._run("init_with_output", rngs, *args, **kwargs)
 
   @nn.nowrap
-  def apply(self, variables, *args, **kwargs):
+  def apply(self, variables, *args, fp8=None, **kwargs):
+    """`flax.linen.Module.apply` under the rules. ``fp8``: an
+    `jmp_lite.fp8.Fp8State` from training, whose scales the fp8 matmuls then
+    run with (inference; `jmp_lite.fp8.forward`)."""
+    if fp8 is not None:
+      from jmp_lite import _instrument  # pylint: disable=g-import-not-at-top
+      return _instrument.forward(lambda v, *a, **k: self._run("apply", v, *a, **k),
+                                 fp8, variables, *args, **kwargs)
     return self._run("apply", variables, *args, **kwargs)
 
   @nn.nowrap

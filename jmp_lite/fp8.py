@@ -40,7 +40,7 @@ from jmp_lite._fp8_numerics import quantize_by
 from jmp_lite._fp8_numerics import reciprocal
 
 __all__ = ("DelayedScaling", "FORMATS", "Fp8State", "MatmulMeta", "dequantize",
-           "init", "qdq", "quantize", "quantize_by", "reciprocal", "restore")
+           "forward", "init", "qdq", "quantize", "quantize_by", "reciprocal", "restore")
 
 _ALGORITHMS = ("max", "most_recent")
 
@@ -361,6 +361,47 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
                                      margin=margin, algorithm=algorithm)
              for name, shape, formats in found},
       select=select, recipe=recipe)
+
+
+def forward(fun: Any, state: Fp8State) -> Any:
+  """``fun`` with its fp8 matmuls run with ``state``'s scales: inference.
+
+  The matmuls are chosen as the training step chose them, and each computes
+  what the training step's forward computes, so for the same inputs and
+  state the output is the training forward's, bitwise. The scales are read,
+  never updated. Under `jmp_lite.flax.wrap`, ``wrapped.apply(variables, x,
+  fp8=state)`` (Linen) and ``wrapped(x, fp8=state)`` (NNX) do this.
+
+  Args:
+    fun: the function, e.g. a model's forward pass.
+    state: the `Fp8State` of training (`jmp_lite.TrainState`'s
+      ``loss_scale_state.fp8``, or restored from a checkpoint).
+
+  Returns:
+    A function with ``fun``'s signature.
+
+  Raises:
+    TypeError: if ``state`` is not an `Fp8State`.
+    ValueError: if ``fun``'s fp8 matmuls are not the state's (names, formats
+      or layers).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite.fp8 as fp8
+    >>> def mlp(w, x):
+    ...   with jax.named_scope("mlp"):
+    ...     return jnp.tanh(x @ w)
+    >>> w, x = jnp.ones((4, 8)), jnp.full((3, 4), 0.1)
+    >>> state = fp8.init(lambda w, x: mlp(w, x).sum(), w, x, select="mlp")
+    >>> fp8.forward(mlp, state)(w, x).shape
+    (3, 8)
+  """
+  from jmp_lite import _instrument  # pylint: disable=import-outside-toplevel
+
+  def run(*args, **kwargs):
+    return _instrument.forward(fun, state, *args, **kwargs)
+
+  return run
 
 
 def restore(raw: Any, target: Any) -> Any:

@@ -78,8 +78,8 @@ EXPECT = {
         "CPU without bf16 matrix units (AVX2 only)", "> 1× (slower)",
         "> 1× (slower still)",
         "XLA:CPU converts bf16 dots to float32 at run time; fp8 adds the "
-        "quantise/dequantise converts, scale multiplies and amax reductions "
-        "around the same dots", ">", ">"),
+        "quantising converts, amax reductions and scale multiplies, and its "
+        "dots convert fp8 operands to float32", ">", ">"),
     "cpu_bf16": (
         "CPU with avx512_bf16 or AMX", "< 1× (faster)", "> 1× (emulated)",
         "the bf16 dots run on the bf16 units; XLA:CPU has no fp8 dot (an "
@@ -88,9 +88,9 @@ EXPECT = {
     "gpu_nofp8": (
         "GPU without fp8 units (< sm89, e.g. A100)", "< 1× (from sm80)",
         "> 1× (emulated)",
-        "XLA rewrites a dequantised fp8 operand feeding a dot into a cuBLASLt "
-        "fp8 GEMM only on sm ≥ 8.9 with CUDA ≥ 12; below that the converts "
-        "and multiplies run as written", "<", ">"),
+        "XLA turns a dot of fp8 operands into a cuBLASLt fp8 GEMM only on "
+        "sm ≥ 8.9 with CUDA ≥ 12; below that it converts them and runs a "
+        "wider GEMM", "<", ">"),
     "gpu_fp8": (
         "GPU with fp8 units (sm ≥ 8.9: Ada, Hopper, Blackwell)", "< 1×",
         "< 1× where matmuls dominate",
