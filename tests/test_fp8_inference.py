@@ -7,10 +7,10 @@ inference forward must equal bitwise; the traced program (fp8
 parameters and fp8 state with orbax and nothing else.
 """
 
+import inspect
 import os
 import subprocess
 import sys
-import textwrap
 
 import flax.linen as nn
 import jax
@@ -30,14 +30,15 @@ BF16 = "p=f32,c=bf16,o=f32"
 FP8 = BF16 + ",fp8=hybrid"
 D_IN, D_HID, D_OUT, N = 12, 32, 6, 8
 
-MLP_SOURCE = """
-class MLP(nn.Module):
+
+
+class MLP(nn.Module):  # the fresh process defines it from this source
   @nn.compact
   def __call__(self, x):
     return nn.Dense(D_OUT)(nn.gelu(nn.Dense(D_HID)(x)))
-"""
-exec(MLP_SOURCE)  # the same class the fresh process defines  # pylint: disable=exec-used
-MODEL = jmp_lite.flax.wrap(MLP(), BF16, rules={nn.Dense: FP8})  # noqa: F821
+
+
+MODEL = jmp_lite.flax.wrap(MLP(), BF16, rules={nn.Dense: FP8})
 
 
 def _data(seed=0):
@@ -114,7 +115,7 @@ def test_inference_reads_the_state_and_refuses_another(trained):
     MODEL.apply({"params": params}, x, fp8=other)
   with pytest.raises(TypeError, match="Fp8State"):
     MODEL.apply({"params": params}, x, fp8={"Dense_0": 1.0})
-  plain_model = jmp_lite.flax.wrap(MLP(), BF16)  # noqa: F821
+  plain_model = jmp_lite.flax.wrap(MLP(), BF16)
   with pytest.raises(ValueError, match="missing"):
     plain_model.apply({"params": params}, x, fp8=st)
 
@@ -203,7 +204,7 @@ def test_a_checkpoint_of_params_and_fp8_state_serves_in_a_fresh_process(trained,
     ckptr.save(path, {"params": params, "fp8": st})
   np.save(tmp_path / "x.npy", np.asarray(x))
   script = tmp_path / "serve.py"
-  script.write_text(SERVE.format(dims=(D_IN, D_HID, D_OUT, N), mlp=textwrap.dedent(MLP_SOURCE),
+  script.write_text(SERVE.format(dims=(D_IN, D_HID, D_OUT, N), mlp=inspect.getsource(MLP),
                                  bf16=BF16, fp8=FP8))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   done = subprocess.run([sys.executable, str(script), str(path), str(tmp_path / "x.npy"),
