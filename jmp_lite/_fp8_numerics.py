@@ -77,6 +77,23 @@ def site_carrier(scales: list) -> jax.Array:
   return jnp.concatenate([r.ravel() for r in rows])
 
 
+def current_scaling(amax: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+  """``(factor, scale)`` of Transformer Engine's current scaling for ``amax``.
+
+  ``factor = max / amax`` (correctly rounded: TE divides with ``__fdiv_rn``),
+  1 where ``amax`` is 0 or not finite, clamped to ``[2**-126, 2**126]``
+  (TE replaces an infinite factor by the input type's largest value; see
+  ``_LIMIT``), and ``scale = 1 / factor``, the dequantisation scale
+  (compute_scale_from_amax, transformer_engine/common/recipe/
+  recipe_common.cuh at 01c24fe; ``Float8CurrentScaling`` has no margin).
+  """
+  amax = jnp.asarray(amax, jnp.float32)
+  top = jnp.full_like(amax, jnp.finfo(_format(dtype)).max)
+  factor = jnp.clip(_exact.divide(top, amax), 1 / _LIMIT, _LIMIT)
+  factor = jnp.where((amax > 0.0) & jnp.isfinite(amax), factor, 1.0)
+  return factor, _exact.divide(jnp.ones_like(factor), factor)
+
+
 def _split_like(flat: jax.Array, parts: list) -> list:
   sizes = np.cumsum([int(np.prod(np.shape(p))) for p in parts])[:-1]
   return [a.reshape(np.shape(p)) for a, p in zip(jnp.split(flat, sizes), parts)]

@@ -109,9 +109,8 @@ def _lhs_transpose(dimension_numbers, x_ndim, y_ndim, swap_ans=False):
   return dims, tuple(int(i) for i in np.argsort(unsorted))
 
 
-def _cotangents(q_g, q_lhs, q_rhs, scales, dimension_numbers):
+def _cotangents(q_g, q_lhs, q_rhs, s_lhs, s_rhs, s_g, dimension_numbers):
   """float32 cotangents of both operands from fp8 ``q_g``, ``q_lhs``, ``q_rhs``."""
-  s_lhs, s_rhs, s_g = scales[0], scales[1], scales[2]
   dims, perm = _lhs_transpose(dimension_numbers, q_lhs.ndim, q_rhs.ndim)
   d_lhs = lax.transpose(_scaled_dot(q_g, q_rhs, dims, s_g, s_rhs), perm)
   (lc, rc), (lb, rb) = dimension_numbers
@@ -127,21 +126,34 @@ def _matmul(lhs, rhs, carrier, static):
 
 
 def _matmul_fwd(lhs, rhs, carrier, static):
-  dimension_numbers, out_dtype, _, _, forward, _, _ = static
-  scales, factors = carrier[:ROLES], carrier[ROLES:]
+  dimension_numbers, out_dtype, _, _, forward, _, _, current = static
+  amax = jnp.stack([_amax(lhs), _amax(rhs)])
+  if current:  # this step's maxima decide (the carrier's scales are not read)
+    factors, scales = _fp8_numerics.current_scaling(amax, forward)
+  else:
+    scales, factors = carrier[:2], carrier[ROLES:ROLES + 2]
   q_lhs = _fp8_numerics.quantize_by(lhs, forward, factors[0])
   q_rhs = _fp8_numerics.quantize_by(rhs, forward, factors[1])
   out = _scaled_dot(q_lhs, q_rhs, dimension_numbers, scales[0], scales[1]).astype(out_dtype)
-  return out, (q_lhs, q_rhs, scales, factors[2], jnp.stack([_amax(lhs), _amax(rhs)]))
+  # The gradient's scale and factor, for the backward pass (unused when current).
+  g_meta = jnp.stack([carrier[2], carrier[ROLES + 2]])
+  return out, (q_lhs, q_rhs, scales, g_meta, amax)
 
 
 def _matmul_bwd(static, residuals, g):
-  dimension_numbers, _, lhs_dtype, rhs_dtype, _, backward, axes = static
-  q_lhs, q_rhs, scales, factor, amax = residuals
+  dimension_numbers, _, lhs_dtype, rhs_dtype, _, backward, axes, current = static
+  q_lhs, q_rhs, scales, g_meta, amax = residuals
+  amax_g = _amax(g)
+  if current:
+    factor, scale = _fp8_numerics.current_scaling(amax_g[None], backward)
+    factor, scale = factor[0], scale[0]
+  else:
+    scale, factor = g_meta[0], g_meta[1]
   q_g = _fp8_numerics.quantize_by(g, backward, factor)
-  d_lhs, d_rhs = _cotangents(q_g, q_lhs, q_rhs, scales, dimension_numbers)
+  d_lhs, d_rhs = _cotangents(q_g, q_lhs, q_rhs, scales[0], scales[1], scale,
+                             dimension_numbers)
   found = _probes._varying(
-      jnp.concatenate([amax, _amax(g)[None], jnp.zeros((ROLES,), jnp.float32)]), axes)
+      jnp.concatenate([amax, amax_g[None], jnp.zeros((ROLES,), jnp.float32)]), axes)
   return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), found
 
 
@@ -149,7 +161,8 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
-           forward=_fp8_numerics.FORMATS["e4m3"], backward=_fp8_numerics.FORMATS["e5m2"]):
+           forward=_fp8_numerics.FORMATS["e4m3"], backward=_fp8_numerics.FORMATS["e5m2"],
+           scaling="delayed"):
   """``dot_general(lhs, rhs, dimension_numbers)`` as an fp8 GEMM, in ``out_dtype``.
 
   Args:
@@ -160,10 +173,13 @@ def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
     dimension_numbers: ``dot_general``'s.
     out_dtype: the product's dtype (the equation's).
     forward, backward: the fp8 formats of the operands and of the gradient.
+    scaling: ``"delayed"`` (the carrier's scales) or ``"current"`` (each
+      tensor's scale from its own maximum, `jmp_lite._fp8_numerics.current_scaling`).
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
   dimension_numbers = tuple(tuple(tuple(int(i) for i in d) for d in pair)
                             for pair in dimension_numbers)
   static = (dimension_numbers, np.dtype(out_dtype), np.dtype(lhs.dtype),
-            np.dtype(rhs.dtype), np.dtype(forward), np.dtype(backward), axes)
+            np.dtype(rhs.dtype), np.dtype(forward), np.dtype(backward), axes,
+            scaling == "current")
   return _matmul(lhs, rhs, carrier, static)

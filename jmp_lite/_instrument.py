@@ -52,6 +52,7 @@ class Point:
   tinies: tuple[float, ...]
   view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
   recipe: Optional[tuple[str, str]] = None  # an fp8 matmul site's formats
+  scaling: str = "delayed"  # an fp8 matmul site's: "delayed" or "current"
 
   @property
   def width(self) -> int:
@@ -107,7 +108,8 @@ class _Planner:
         continue
       recipe, site = self.fp8.choose(eqn, where) if self.fp8 else (None, "")
       if recipe is not None:
-        point = Point(plan.size, site, "fp8", (), recipe=recipe)
+        point = Point(plan.size, site, "fp8", (), recipe=recipe,
+                      scaling=self.fp8.scaling)
         plan.points.setdefault(i, []).append((None, point))
         plan.size += point.width
       children = self.children(eqn, where)
@@ -144,6 +146,7 @@ class Fp8Selection:
   """
   select: Optional[str] = None
   recipe: str = "hybrid"
+  scaling: str = "delayed"
 
   def choose(self, eqn, where: str) -> tuple[Optional[tuple[str, str]], str]:
     if eqn.primitive.name not in ("dot_general", "jmp_dot_general"):
@@ -213,7 +216,8 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
       lhs, rhs = invals
       outs = _fp8_sites.matmul(lhs, rhs, carrier[site.offset:site.offset + site.width],
                                eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype,
-                               *(fp8_lib.FORMATS[f] for f in site.recipe))
+                               *(fp8_lib.FORMATS[f] for f in site.recipe),
+                               scaling=site.scaling)
     else:
       # A mark is bound as it is: JAX may have moved a cast into its body.
       outs = _internals.bind(eqn, invals)
@@ -389,7 +393,7 @@ def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
   if not isinstance(fp8_state, fp8_lib.Fp8State):
     raise TypeError(f"fp8 must be a jmp_lite.fp8.Fp8State (from jmp_lite.fp8.init), "
                     f"got {type(fp8_state).__name__}")
-  selection = Fp8Selection(fp8_state.select, fp8_state.recipe)
+  selection = Fp8Selection(fp8_state.select, fp8_state.recipe, fp8_state.scaling)
   closed, plan, traced, out_tree = _trace(fun, args, kwargs,
                                           _Planner(None, (), (), selection))
   slots = sites(plan)

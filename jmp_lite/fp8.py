@@ -43,6 +43,7 @@ __all__ = ("DelayedScaling", "FORMATS", "Fp8State", "MatmulMeta", "dequantize",
            "forward", "init", "qdq", "quantize", "quantize_by", "reciprocal", "restore")
 
 _ALGORITHMS = ("max", "most_recent")
+_SCALINGS = ("delayed", "current")
 
 for _f in (dequantize, qdq, quantize, quantize_by, reciprocal):
   _f.__module__ = __name__  # documented here, defined in jmp_lite._fp8_numerics
@@ -243,6 +244,7 @@ class Fp8State:
       record it for `restore`.
     select, recipe: which matmuls are fp8 and, with ``select``, their
       formats (static; see `init`).
+    scaling: ``"delayed"`` or ``"current"`` (static; see `init`).
   """
 
   sites: dict
@@ -250,6 +252,7 @@ class Fp8State:
       default_factory=lambda: jnp.asarray(SCHEMA_VERSION, jnp.int32))
   select: Optional[str] = _struct.static_field(default=None)
   recipe: str = _struct.static_field(default="hybrid")
+  scaling: str = _struct.static_field(default="delayed")
 
   @property
   def history_length(self) -> int:
@@ -302,7 +305,7 @@ _struct.register_state(Fp8State)
 def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
          policy: Any = None, select: Optional[str] = None, recipe: str = "hybrid",
          history_length: int = 1024, margin: int = 0, algorithm: str = "max",
-         **kwargs: Any) -> Fp8State:
+         scaling: str = "delayed", **kwargs: Any) -> Fp8State:
   """The fp8 state of the step that differentiates ``fun(*args, **kwargs)``.
 
   Traces ``fun`` once (abstractly, nothing runs) as `jmp_lite.TrainState.minimize`
@@ -321,6 +324,11 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
     recipe: with ``select``: ``"hybrid"`` (e4m3 operands, e5m2 gradients) or
       ``"e4m3"``. Under wrap each module's policy says.
     history_length, margin, algorithm: as for `DelayedScaling.create`.
+    scaling: ``"delayed"`` (the default: each tensor quantised with the
+      scale its history asks for) or ``"current"`` (Transformer Engine's
+      ``Float8CurrentScaling``: with the scale of this step's own maximum,
+      ``max / amax``; no history is read, a division more per tensor per
+      step). The state records the maxima either way.
     **kwargs: keyword arguments of ``fun``.
 
   Raises:
@@ -343,6 +351,8 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
   from jmp_lite.policy import FP8_RECIPES  # pylint: disable=import-outside-toplevel
   if recipe not in FP8_RECIPES:
     raise ValueError(f"recipe must be one of {sorted(FP8_RECIPES)}, got {recipe!r}")
+  if scaling not in _SCALINGS:
+    raise ValueError(f"scaling must be one of {_SCALINGS}, got {scaling!r}")
   if select is not None and not isinstance(select, str):
     raise TypeError(f"select must be None or a regular expression string, got {select!r}")
   DelayedScaling.create(history_length=history_length, margin=margin,
@@ -360,7 +370,7 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
       sites={name: MatmulMeta.create(shape, formats, history_length=history_length,
                                      margin=margin, algorithm=algorithm)
              for name, shape, formats in found},
-      select=select, recipe=recipe)
+      select=select, recipe=recipe, scaling=scaling)
 
 
 def forward(fun: Any, state: Fp8State) -> Any:

@@ -164,7 +164,7 @@ def _selection(fp8) -> Optional[_instrument.Fp8Selection]:
   if not isinstance(fp8, Fp8State):
     raise TypeError(f"fp8 must be a jmp_lite.fp8.Fp8State (from jmp_lite.fp8.init), "
                     f"got {type(fp8).__name__}")
-  return _instrument.Fp8Selection(fp8.select, fp8.recipe)
+  return _instrument.Fp8Selection(fp8.select, fp8.recipe, fp8.scaling)
 
 
 def _check_telemetry(telemetry, where: str):

@@ -213,3 +213,32 @@ def test_a_checkpoint_of_params_and_fp8_state_serves_in_a_fresh_process(trained,
   assert done.returncode == 0, done.stderr[-3000:]
   want = jax.jit(lambda p, s: MODEL.apply({"params": p}, x, fp8=s))(params, st)
   np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(want))
+
+
+def test_current_scaling_needs_no_history_and_serves_the_same():
+  """Inputs 1e4 times larger than the first step expects: delayed scaling's
+  fresh scale of 1 saturates them at 448 (a wrong loss), current scaling
+  quantises each tensor with its own maximum and stays near bf16."""
+  x, y = _data(6)
+  x = x * 1e4
+  params = MODEL.init(jax.random.key(0), x)["params"]
+  loss = lambda p, x, y: _loss(p, x, y)[0]
+  bf16 = float(loss(params, x, y))
+  delayed = fp8.init(loss, params, x, y, history_length=4)
+  current = fp8.init(loss, params, x, y, history_length=4, scaling="current")
+  assert current.scaling == "current" and delayed.scaling == "delayed"
+  vg = jax.jit(lambda p, s: jmp_lite.value_and_grad(_loss, has_aux=True)(p, x, y, fp8=s))
+  (loss_d, _), _, _, _ = vg(params, delayed)
+  (loss_c, out_c), _, finite, after = vg(params, current)
+  assert bool(finite)
+  assert abs(float(loss_c) - bf16) < 0.02 * abs(bf16)
+  assert abs(float(loss_d) - bf16) > 10 * abs(float(loss_c) - bf16)
+  # The maxima are recorded as with delayed scaling (the histories' first
+  # entry): the hidden layer (Dense_1, built second) reads x in bf16.
+  np.testing.assert_array_equal(
+      float(after.sites["Dense_1"].lhs.amax_history[0]),
+      np.abs(np.asarray(x.astype(jnp.bfloat16), np.float32)).max())
+  got = jax.jit(lambda p, s: MODEL.apply({"params": p}, x, fp8=s))(params, current)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(out_c))
+  with pytest.raises(ValueError, match="scaling"):
+    fp8.init(loss, params, x, y, scaling="blockwise")

@@ -247,3 +247,50 @@ def test_the_quantisation_survives_excess_precision():
   a = np.asarray((x * 1.001).astype(jnp.bfloat16), np.float32)
   assert float(found[0]) == np.abs(a).max()
   np.testing.assert_array_equal(found[3:], np.zeros(3, np.float32))
+
+
+# Current scaling: each tensor's scale from its own maximum, this step ------------
+
+
+def np_current(x, fmt):
+  """TE's ``compute_scale_from_amax`` (recipe_common.cuh at 01c24fe) in NumPy:
+  ``factor = max / amax`` in float32, 1 where amax is 0 or not finite;
+  ``(quantised x, dequantisation scale 1 / factor)``."""
+  x = np.asarray(x).astype(np.float32)
+  amax = np.float32(np.abs(x).max())
+  top = np.float32(ml_dtypes.finfo(fmt).max)
+  factor = top / amax if (amax > 0 and np.isfinite(amax)) else np.float32(1)
+  factor = np.clip(np.float32(factor), 1 / LIMIT, LIMIT)
+  q = np.clip(x * factor, -top, top).astype(fmt)
+  return q, np.float32(1) / factor
+
+
+@pytest.mark.parametrize("amplitude", [1.0, 3e4, 1e-3])
+def test_current_scaling_is_tes(amplitude):
+  x, w, g = _operands(8)
+  x = x * np.float32(amplitude)
+  carrier = site_carrier([jnp.asarray([7.0, 7.0, 7.0])])  # not read
+  f = lambda x, w, c: _fp8_sites.matmul(x, w, c, MATMUL, jnp.float32, scaling="current")
+  out, vjp = jax.vjp(jax.jit(f), x, w, carrier)
+  dx, dw, found = vjp(g)
+  qx, sx = np_current(x, E4M3)
+  qw, sw = np_current(w, E4M3)
+  qg, sg = np_current(g, E5M2)
+  # Each tensor fills its format: its largest value quantises to the max.
+  assert float(np.abs(qx.astype(np.float32)).max()) == 448.0
+  _close(out, *np_gemm(qx, qw, sx, sw), np.float32)
+  _close(dx, *np_gemm(qg, qw.T, sg, sw), np.float32)
+  _close(dw, *np_gemm(qx.T, qg, sx, sg), np.float32)
+  want = [np.abs(np.asarray(a, np.float32)).max() for a in (x, w, g)]
+  np.testing.assert_array_equal(np.asarray(found[:3]), np.float32(want))
+
+
+def test_current_scaling_of_zeros_and_non_finite_values():
+  x, w, g = _operands(9)
+  f = lambda x, w: _fp8_sites.matmul(x, w, site_carrier([jnp.ones(3)]), MATMUL, jnp.float32,
+                                     scaling="current")
+  out = jax.jit(f)(jnp.zeros_like(x), w)  # amax 0: factor 1, a zero product
+  np.testing.assert_array_equal(np.asarray(out), np.zeros(out.shape, np.float32))
+  out = jax.jit(f)(x.at[0, 0].set(jnp.inf), w)  # amax inf: factor 1, inf kept
+  assert not np.isfinite(np.asarray(out)[0]).any()
+  assert np.isfinite(np.asarray(out)[1:]).all()
