@@ -11,6 +11,8 @@ same batches, under each policy:
   fp8          bf16 compute, with the Dense layers' matmuls in fp8 (e4m3
                operands, e5m2 gradients, delayed scaling; `jmp_lite.fp8`).
                Emulated on a CPU: it shows accuracy, not speed.
+  fp8_current  ... with current scaling: each tensor's scale from its own
+               maximum in the same step (Transformer Engine's recipe).
   pure_f16     float16 params and compute (O3 on a float16 GPU), plain Adam,
                dynamic loss scaling: `with_loss_scale` keeps Adam in float32.
   pure_bf16    bfloat16 params and Adam moments, round-to-nearest updates.
@@ -18,7 +20,7 @@ same batches, under each policy:
   pure_bf16_kahan  ... with Kahan-compensated updates.
 
 By default it runs f32, bf16 and f16 (about a minute of training on a 2-core
-CPU); `--all-policies` runs all seven. Before training it says what bf16 and
+CPU); `--all-policies` runs every one of them. Before training it says what bf16 and
 f16 can buy on this machine and how long the run should take; afterwards it
 prints a table (test accuracy, skipped steps, memory, compile time, step time)
 and writes a PNG of the training loss and of the loss scale, and the full
@@ -47,6 +49,8 @@ POLICIES = {
     "f16_underflow": ("p=f32,c=f16,o=f32", "f16 with an underflow-aware loss scale"),
     "fp8": ("p=f32,c=bf16,o=f32,fp8=hybrid",
             "bf16 compute, Dense matmuls in fp8 with delayed scaling"),
+    "fp8_current": ("p=f32,c=bf16,o=f32,fp8=hybrid",
+                    "fp8 with current scaling (each tensor's own maximum, this step)"),
     "pure_f16": ("p=f16,c=f16,o=f32", "f16 params and compute, dynamic loss scale"),
     "pure_bf16": ("p=bf16,c=bf16,o=f32", "bf16 params and Adam moments, round to nearest"),
     "pure_bf16_sr": ("p=bf16,c=bf16,o=f32", "pure_bf16 + stochastic rounding of updates"),
@@ -57,6 +61,7 @@ DEFAULT_POLICIES = "f32,bf16,f16"
 # defaults, on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
 TIMINGS = {"f32": (3.5, 16.7), "bf16": (4.2, 17.5), "f16": (3.7, 15.8),
            "f16_underflow": (7.0, 17.0), "fp8": (6.0, 20.0),
+           "fp8_current": (6.5, 21.0),
            "pure_f16": (4.0, 17.0), "pure_bf16": (4.2, 18.0),
            "pure_bf16_sr": (4.5, 20.0), "pure_bf16_kahan": (4.5, 20.0)}
 
@@ -158,7 +163,8 @@ def train(name, data, args):
 
   # fp8: the metadata (amax histories and scales) of each fp8 matmul the
   # step makes, found by tracing it; it lives beside the loss scale.
-  fp8 = (jmp_lite.fp8.init(loss_fn, params, x_train[first], y_train[first])
+  fp8 = (jmp_lite.fp8.init(loss_fn, params, x_train[first], y_train[first],
+                           scaling="current" if name == "fp8_current" else "delayed")
          if policy.fp8 else None)
   state = jmp_lite.TrainState.create(
       apply_fn=model.apply, params=params, loss_scale=loss_scale, fp8=fp8,
