@@ -9,6 +9,7 @@ through `jmp_lite.fp8`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -16,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _exact
+from jmp_lite import _struct
 
 # The formats of the "hybrid" recipe: e4m3 (more precision) for forward
 # values, e5m2 (more range) for gradients.
 FORMATS = {"e4m3": np.dtype(jnp.float8_e4m3fn), "e5m2": np.dtype(jnp.float8_e5m2)}
+_ALGORITHMS = ("max", "most_recent")
 
 
 def _format(dtype: Any) -> np.dtype:
@@ -181,3 +184,113 @@ def _next_scales(metas: list) -> list:
   # the formula above can produce.
   out = jnp.where((amax > 0.0) & jnp.isfinite(amax), new, scale)
   return _split_like(out, chosen)
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+  """One tensor's fp8 metadata: its amax history and its scale.
+
+  Args:
+    amax_history: float32 ``[history_length]``, most recent first (then the
+      older ones from the end backwards, as Flax and TE roll it).
+    scale: float32 scalar, the dequantisation scale.
+    dtype: the fp8 format (static).
+    margin: the new scale leaves ``2 ** margin`` of headroom (static).
+    algorithm: ``"max"`` (the history's maximum, the field's default) or
+      ``"most_recent"`` (static).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite.fp8 as fp8
+    >>> meta = fp8.DelayedScaling.create("e4m3", history_length=4)
+    >>> y, meta = meta.qdq(jnp.array([1.0, -896.0]))  # scale 1: saturates at 448
+    >>> y.tolist(), meta.amax_history.tolist()
+    ([1.0, -448.0], [896.0, 0.0, 0.0, 0.0])
+    >>> y, meta = meta.qdq(jnp.array([1.0, -896.0]))  # scale from history: 896 / 448
+    >>> y.tolist(), float(meta.scale)
+    ([1.0, -896.0], 2.0)
+  """
+
+  amax_history: jax.Array
+  scale: jax.Array
+  dtype: np.dtype = _struct.static_field(default=FORMATS["e4m3"])
+  margin: int = _struct.static_field(default=0)
+  algorithm: str = _struct.static_field(default="max")
+
+  @classmethod
+  def create(cls, dtype: Any = "e4m3", *, history_length: int = 1024,
+             margin: int = 0, algorithm: str = "max") -> "DelayedScaling":
+    """Fresh metadata: an all-zero history and a scale of 1.
+
+    Raises:
+      ValueError: for an unknown format or algorithm, a history length < 1,
+        or a negative margin.
+    """
+    if isinstance(history_length, bool) or not isinstance(history_length, int) \
+        or history_length < 1:
+      raise ValueError(f"history_length must be an int >= 1, got {history_length!r}")
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+      raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+    if algorithm not in _ALGORITHMS:
+      raise ValueError(f"algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
+    return cls(amax_history=jnp.zeros((history_length,), jnp.float32),
+               scale=jnp.ones((), jnp.float32), dtype=_format(dtype),
+               margin=margin, algorithm=algorithm)
+
+  def next_scale(self) -> jax.Array:
+    """The scale the history asks for; the current one where it has no answer.
+
+    ``1 / ((max / amax) / 2**margin)``, kept as it is while the chosen amax
+    is zero (nothing seen yet) or not finite (Flax's ``compute_scale``, TE's
+    ``update_fp8_metas``). Both divisions are correctly rounded on every
+    backend (TE divides with ``__fdiv_rn`` for the same reason), and the
+    factor is clamped to ``[2**-126, 2**126]``: an amax of 1e-36 gives a
+    factor float32 cannot hold, where Flax's scale becomes 0 and every
+    quantised value NaN.
+    """
+    return _next_scales([self])[0]
+
+  def qdq(self, x: jax.Array, compute_dtype: Any = None) -> tuple[jax.Array, "DelayedScaling"]:
+    """``x`` quantised with the delayed scale and read back, and the new state.
+
+    The scale comes from the history of earlier steps; this step's amax
+    joins the history for the next ones. ``compute_dtype`` is accepted for
+    Flax's signature: quantisation is float32 arithmetic (`quantize`).
+    """
+    scale = self.next_scale()
+    _check_compute_dtype(compute_dtype)
+    y = qdq(x, self.dtype, scale)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return y, _struct.replace_fields(self, amax_history=_roll_in(self.amax_history, amax),
+                                     scale=scale)
+
+  def update(self, amax: jax.Array) -> "DelayedScaling":
+    """``amax`` (this step's absolute maximum) recorded, and the next scale.
+
+    The scale the next step quantises with is `next_scale` of the history
+    that includes ``amax``: the scale `qdq` would use on the next step.
+    A non-finite ``amax`` (an overflowing step's gradient) is recorded as 0,
+    "nothing seen": under the ``"max"`` algorithm Flax and Transformer
+    Engine keep an inf for ``history_length`` steps and freeze the scale that
+    long.
+    """
+    return _update_all([self], [amax])[0]
+
+
+def _update_all(metas: list, amaxes: list) -> list:
+  """`DelayedScaling.update` of each meta with its amax, the scales together."""
+  rolled = []
+  for meta, amax in zip(metas, amaxes):
+    amax = jnp.asarray(amax, jnp.float32)
+    amax = jnp.where(jnp.isfinite(amax), amax, 0.0)
+    rolled.append(_struct.replace_fields(
+        meta, amax_history=_roll_in(meta.amax_history, amax)))
+  return [_struct.replace_fields(m, scale=s) for m, s in zip(rolled, _next_scales(rolled))]
+
+
+def _roll_in(history: jax.Array, amax: jax.Array) -> jax.Array:
+  """Flax's ``compute_amax_history`` along the last axis (leading axes: layers)."""
+  return jnp.roll(history, -1, axis=-1).at[..., 0].set(amax)
+
+
+_struct.register_state(DelayedScaling)
