@@ -115,7 +115,7 @@ class Hardware:
       lines.append("fp8: native matrix units (twice the bf16 rate).")
     else:
       lines.append("fp8: no fp8 matrix units here; fp8 policies are emulated "
-                   "(quantise and read back around bf16 matmuls): they check "
+                   "(XLA multiplies the fp8 values in float32): they check "
                    "accuracy, not speed.")
     return "\n".join(lines)
 
