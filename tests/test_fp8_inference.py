@@ -14,7 +14,6 @@ import sys
 
 import flax.linen as nn
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -22,6 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from jaxprs import equations
 import jmp_lite
 import jmp_lite.flax
 import jmp_lite.fp8 as fp8
@@ -68,17 +68,6 @@ def trained():
   return state.params, state.loss_scale_state.fp8
 
 
-def _eqns(jaxpr):
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _eqns(sub)
-
-
 def test_linen_inference_is_the_training_forward_bitwise(trained):
   params, st = trained
   assert float(st.sites["Dense_0"].lhs.scale) != 1.0  # trained scales
@@ -94,7 +83,7 @@ def test_linen_inference_is_the_training_forward_bitwise(trained):
   plain = MODEL.apply({"params": params}, x)
   assert not np.array_equal(np.asarray(plain), np.asarray(got))
   jaxpr = jax.make_jaxpr(lambda p, s: MODEL.apply({"params": p}, x, fp8=s))(params, st)
-  dots = [e for e in _eqns(jaxpr.jaxpr) if "dot" in e.primitive.name]
+  dots = [e for e in equations(jaxpr.jaxpr) if "dot" in e.primitive.name]
   assert len(dots) == len(st.sites) == 2
   for e in dots:
     assert [np.dtype(v.aval.dtype) for v in e.invars] == [np.dtype(jnp.float8_e4m3fn)] * 2

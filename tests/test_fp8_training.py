@@ -32,7 +32,6 @@ import re
 
 import flax.linen as nn
 import jax
-import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -42,6 +41,7 @@ import pytest
 from flax import nnx
 from flax.linen import fp8_ops
 
+from jaxprs import equations
 import jmp_lite
 import jmp_lite.flax
 import jmp_lite.fp8 as fp8
@@ -255,25 +255,13 @@ def test_each_step_agrees_with_flax_fp8_dot_general_op_from_the_same_state():
 # ------------------------------------------------------------- 2. the program
 
 
-def _eqns(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs in its equations' params."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _eqns(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _eqns(sub)
-
-
 def test_the_step_quantises_in_fp8_and_multiplies_fp8_arrays():
   x, y = _batch(0)
   params = _params()
   st = _meta()
   step = lambda p, st: jmp_lite.value_and_grad(_loss)(p, x, y, fp8=st)
   closed = jax.make_jaxpr(step)(params, st)
-  eqns = list(_eqns(closed.jaxpr))
+  eqns = list(equations(closed.jaxpr))
   converts = [(np.dtype(e.invars[0].aval.dtype), np.dtype(e.params["new_dtype"]))
               for e in eqns if e.primitive.name == "convert_element_type"]
   e4m3, e5m2, bf16 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2), np.dtype(jnp.bfloat16)
