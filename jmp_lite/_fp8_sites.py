@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _exact
+from jmp_lite import _fp8_blocks
 from jmp_lite import _fp8_numerics
 from jmp_lite import _probes
 from jmp_lite import _replicas
@@ -109,14 +110,20 @@ def _lhs_transpose(dimension_numbers, x_ndim, y_ndim, swap_ans=False):
   return dims, tuple(int(i) for i in np.argsort(unsorted))
 
 
+def _transposes(dimension_numbers, lhs_ndim, rhs_ndim):
+  """``((dims, perm) of the lhs cotangent, (dims, perm) of the rhs one)``:
+  each is ``transpose(dot_general(g, other operand, dims), perm)``."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  return (_lhs_transpose(dimension_numbers, lhs_ndim, rhs_ndim),
+          _lhs_transpose(((rc, lc), (rb, lb)), rhs_ndim, lhs_ndim, swap_ans=True))
+
+
 def _cotangents(q_g, q_lhs, q_rhs, s_lhs, s_rhs, s_g, dimension_numbers):
   """float32 cotangents of both operands from fp8 ``q_g``, ``q_lhs``, ``q_rhs``."""
-  dims, perm = _lhs_transpose(dimension_numbers, q_lhs.ndim, q_rhs.ndim)
-  d_lhs = lax.transpose(_scaled_dot(q_g, q_rhs, dims, s_g, s_rhs), perm)
-  (lc, rc), (lb, rb) = dimension_numbers
-  swapped = ((rc, lc), (rb, lb))
-  dims, perm = _lhs_transpose(swapped, q_rhs.ndim, q_lhs.ndim, swap_ans=True)
-  d_rhs = lax.transpose(_scaled_dot(q_g, q_lhs, dims, s_g, s_lhs), perm)
+  (dims_l, perm_l), (dims_r, perm_r) = _transposes(dimension_numbers, q_lhs.ndim,
+                                                   q_rhs.ndim)
+  d_lhs = lax.transpose(_scaled_dot(q_g, q_rhs, dims_l, s_g, s_rhs), perm_l)
+  d_rhs = lax.transpose(_scaled_dot(q_g, q_lhs, dims_r, s_g, s_lhs), perm_r)
   return d_lhs, d_rhs
 
 
@@ -126,9 +133,11 @@ def _matmul(lhs, rhs, carrier, static):
 
 
 def _matmul_fwd(lhs, rhs, carrier, static):
-  dimension_numbers, out_dtype, _, _, forward, _, _, current = static
+  dimension_numbers, out_dtype, _, _, forward, _, _, scaling = static
   amax = jnp.stack([_amax(lhs), _amax(rhs)])
-  if current:  # this step's maxima decide (the carrier's scales are not read)
+  if scaling == "block":
+    return _blocks_fwd(lhs, rhs, amax, static)
+  if scaling == "current":  # this step's maxima decide (the carrier's scales are not read)
     factors, scales = _fp8_numerics.current_scaling(amax, forward)
   else:
     scales, factors = carrier[:2], carrier[ROLES:ROLES + 2]
@@ -141,20 +150,56 @@ def _matmul_fwd(lhs, rhs, carrier, static):
 
 
 def _matmul_bwd(static, residuals, g):
-  dimension_numbers, _, lhs_dtype, rhs_dtype, _, backward, axes, current = static
-  q_lhs, q_rhs, scales, g_meta, amax = residuals
+  dimension_numbers, _, lhs_dtype, rhs_dtype, _, backward, axes, scaling = static
   amax_g = _amax(g)
-  if current:
-    factor, scale = _fp8_numerics.current_scaling(amax_g[None], backward)
-    factor, scale = factor[0], scale[0]
+  if scaling == "block":
+    d_lhs, d_rhs, amax = _blocks_bwd(static, residuals, g)
   else:
-    scale, factor = g_meta[0], g_meta[1]
-  q_g = _fp8_numerics.quantize_by(g, backward, factor)
-  d_lhs, d_rhs = _cotangents(q_g, q_lhs, q_rhs, scales[0], scales[1], scale,
-                             dimension_numbers)
+    q_lhs, q_rhs, scales, g_meta, amax = residuals
+    if scaling == "current":
+      factor, scale = _fp8_numerics.current_scaling(amax_g[None], backward)
+      factor, scale = factor[0], scale[0]
+    else:
+      scale, factor = g_meta[0], g_meta[1]
+    q_g = _fp8_numerics.quantize_by(g, backward, factor)
+    d_lhs, d_rhs = _cotangents(q_g, q_lhs, q_rhs, scales[0], scales[1], scale,
+                               dimension_numbers)
   found = _probes._varying(
       jnp.concatenate([amax, amax_g[None], jnp.zeros((ROLES,), jnp.float32)]), axes)
   return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), found
+
+
+def _blocks_fwd(lhs, rhs, amax, static):
+  """Block scaling: each operand quantised along the forward contraction, and
+  once more along the contraction of the backward product it enters (its
+  residual, a byte an element and a scale a block)."""
+  dimension_numbers, out_dtype, _, _, forward, _, _, _ = static
+  a_axis, b_axis = _fp8_blocks.axes(dimension_numbers)
+  q_lhs, e_lhs = _fp8_blocks.quantize(lhs, a_axis, forward)
+  q_rhs, e_rhs = _fp8_blocks.quantize(rhs, b_axis, forward)
+  out = _fp8_blocks.dot(q_lhs, e_lhs, a_axis, q_rhs, e_rhs, b_axis,
+                        dimension_numbers).astype(out_dtype)
+  (dims_l, _), (dims_r, _) = _transposes(dimension_numbers, lhs.ndim, rhs.ndim)
+  _, rhs_axis = _fp8_blocks.axes(dims_l)  # d_lhs contracts g with rhs
+  _, lhs_axis = _fp8_blocks.axes(dims_r)  # d_rhs contracts g with lhs
+  return out, (_fp8_blocks.quantize(lhs, lhs_axis, forward),
+               _fp8_blocks.quantize(rhs, rhs_axis, forward), amax)
+
+
+def _blocks_bwd(static, residuals, g):
+  dimension_numbers, _, _, _, _, backward, _, _ = static
+  (q_lhs, e_lhs), (q_rhs, e_rhs), amax = residuals
+  (dims_l, perm_l), (dims_r, perm_r) = _transposes(dimension_numbers, q_lhs.ndim,
+                                                   q_rhs.ndim)
+  g_axis, rhs_axis = _fp8_blocks.axes(dims_l)
+  q_g, e_g = _fp8_blocks.quantize(g, g_axis, backward)
+  d_lhs = lax.transpose(_fp8_blocks.dot(q_g, e_g, g_axis, q_rhs, e_rhs, rhs_axis, dims_l),
+                        perm_l)
+  g_axis, lhs_axis = _fp8_blocks.axes(dims_r)
+  q_g, e_g = _fp8_blocks.quantize(g, g_axis, backward)
+  d_rhs = lax.transpose(_fp8_blocks.dot(q_g, e_g, g_axis, q_lhs, e_lhs, lhs_axis, dims_r),
+                        perm_r)
+  return d_lhs, d_rhs, amax
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -173,13 +218,14 @@ def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
     dimension_numbers: ``dot_general``'s.
     out_dtype: the product's dtype (the equation's).
     forward, backward: the fp8 formats of the operands and of the gradient.
-    scaling: ``"delayed"`` (the carrier's scales) or ``"current"`` (each
-      tensor's scale from its own maximum, `jmp_lite._fp8_numerics.current_scaling`).
+    scaling: ``"delayed"`` (the carrier's scales), ``"current"`` (each
+      tensor's scale from its own maximum, `jmp_lite._fp8_numerics.current_scaling`)
+      or ``"block"`` (a power-of-two scale per 32 values along the
+      contraction, `jmp_lite._fp8_blocks`).
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
   dimension_numbers = tuple(tuple(tuple(int(i) for i in d) for d in pair)
                             for pair in dimension_numbers)
   static = (dimension_numbers, np.dtype(out_dtype), np.dtype(lhs.dtype),
-            np.dtype(rhs.dtype), np.dtype(forward), np.dtype(backward), axes,
-            scaling == "current")
+            np.dtype(rhs.dtype), np.dtype(forward), np.dtype(backward), axes, scaling)
   return _matmul(lhs, rhs, carrier, static)

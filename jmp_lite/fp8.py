@@ -46,7 +46,7 @@ from jmp_lite._fp8_numerics import reciprocal
 __all__ = ("DelayedScaling", "FORMATS", "Fp8State", "MatmulMeta", "dequantize",
            "forward", "init", "qdq", "quantize", "quantize_by", "reciprocal", "restore")
 
-_SCALINGS = ("delayed", "current")
+_SCALINGS = ("delayed", "current", "block")
 
 for _f in (DelayedScaling, dequantize, qdq, quantize, quantize_by, reciprocal):
   _f.__module__ = __name__  # documented here, defined in jmp_lite._fp8_numerics
@@ -140,7 +140,7 @@ class Fp8State:
       record it for `restore`.
     select, recipe: which matmuls are fp8 and, with ``select``, their
       formats (static; see `init`).
-    scaling: ``"delayed"`` or ``"current"`` (static; see `init`).
+    scaling: ``"delayed"``, ``"current"`` or ``"block"`` (static; see `init`).
   """
 
   sites: dict
@@ -221,10 +221,12 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
       ``"e4m3"``. Under wrap each module's policy says.
     history_length, margin, algorithm: as for `DelayedScaling.create`.
     scaling: ``"delayed"`` (the default: each tensor quantised with the
-      scale its history asks for) or ``"current"`` (Transformer Engine's
+      scale its history asks for), ``"current"`` (Transformer Engine's
       ``Float8CurrentScaling``: with the scale of this step's own maximum,
       ``max / amax``; no history is read, a division more per tensor per
-      step). The state records the maxima either way.
+      step) or ``"block"`` (MXFP8, TE's ``MXFP8BlockScaling``: a power-of-two
+      scale per 32 values along the contraction, `jmp_lite._fp8_blocks`).
+      The state records the maxima either way.
     **kwargs: keyword arguments of ``fun``.
 
   Raises:

@@ -204,24 +204,28 @@ def test_a_checkpoint_of_params_and_fp8_state_serves_in_a_fresh_process(trained,
   np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(want))
 
 
-def test_current_scaling_needs_no_history_and_serves_the_same():
+@pytest.mark.parametrize("scaling", ["current", "block"])
+def test_current_and_block_scaling_need_no_history_and_serve_the_same(scaling):
   """Inputs 1e4 times larger than the first step expects: delayed scaling's
-  fresh scale of 1 saturates them at 448 (a wrong loss), current scaling
-  quantises each tensor with its own maximum and stays near bf16."""
+  fresh scale of 1 saturates them at 448 (a wrong loss); current scaling
+  quantises each tensor with its own maximum, block scaling each block of 32
+  with its own, and both stay near bf16."""
   x, y = _data(6)
   x = x * 1e4
   params = MODEL.init(jax.random.key(0), x)["params"]
   loss = lambda p, x, y: _loss(p, x, y)[0]
   bf16 = float(loss(params, x, y))
   delayed = fp8.init(loss, params, x, y, history_length=4)
-  current = fp8.init(loss, params, x, y, history_length=4, scaling="current")
-  assert current.scaling == "current" and delayed.scaling == "delayed"
+  current = fp8.init(loss, params, x, y, history_length=4, scaling=scaling)
+  assert current.scaling == scaling and delayed.scaling == "delayed"
   vg = jax.jit(lambda p, s: jmp_lite.value_and_grad(_loss, has_aux=True)(p, x, y, fp8=s))
   (loss_d, _), _, _, _ = vg(params, delayed)
   (loss_c, out_c), _, finite, after = vg(params, current)
   assert bool(finite)
-  assert abs(float(loss_c) - bf16) < 0.02 * abs(bf16)
-  assert abs(float(loss_d) - bf16) > 10 * abs(float(loss_c) - bf16)
+  # Logits of 1e4 to 1e5 carry e4m3's 6% rounding: the loss is near bf16's
+  # (measured: 0.4% current, 3.8% block), delayed scaling's is 99% off.
+  assert abs(float(loss_c) - bf16) < 0.1 * abs(bf16)
+  assert abs(float(loss_d) - bf16) > 0.9 * abs(bf16)
   # The maxima are recorded as with delayed scaling (the histories' first
   # entry): the hidden layer (Dense_1, built second) reads x in bf16.
   np.testing.assert_array_equal(
