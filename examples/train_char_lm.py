@@ -32,15 +32,18 @@ POLICIES = {
     "f16": "p=f32,c=f16,o=f32",
     "fp8": "p=f32,c=bf16,o=f32",
     "fp8_current": "p=f32,c=bf16,o=f32",
+    "fp8_block": "p=f32,c=bf16,o=f32",
 }
 # Rules on top of a policy: fp8 puts the MLP blocks' matmuls (every Dense of
 # every Block) in fp8, with delayed scaling; attention stays in bf16.
 RULES = {"fp8": {r"Block_\d+/Dense_\d+": "p=f32,c=bf16,o=f32,fp8=hybrid"}}
-RULES["fp8_current"] = RULES["fp8"]  # ... with current scaling (`jmp_lite.fp8.init`)
+# ... with current and with block scaling (`jmp_lite.fp8.init`'s `scaling`).
+RULES["fp8_current"] = RULES["fp8_block"] = RULES["fp8"]
 # Seconds to compile and milliseconds per step of each policy with the
 # defaults, on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
 TIMINGS = {"f32": (12.0, 250.0), "bf16": (14.0, 400.0), "f16": (15.0, 400.0),
-           "fp8": (18.0, 450.0), "fp8_current": (19.0, 470.0)}
+           "fp8": (18.0, 450.0), "fp8_current": (19.0, 470.0),
+           "fp8_block": (20.0, 520.0)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--policies", default="f32,bf16,f16",
                       help=_firstrun.THREE_POLICIES + "; also fp8 (bf16 compute, "
                            "the MLP blocks' matmuls in fp8, delayed scaling) and "
-                           "fp8_current (the same with current scaling)")
+                           "fp8_current and fp8_block (the same with current "
+                           "or block scaling)")
   _firstrun.add_training_arguments(
       parser, steps=400, steps_help="training steps per policy", batch_size=32,
       batch_help="sequences per step", lr=2e-3,
@@ -154,7 +158,8 @@ def train(name, train_data, val_data, args):
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps))
   # fp8 metadata for each fp8 matmul the step makes, beside the loss scale.
   fp8 = (jmp_lite.fp8.init(loss_of, params, *first,
-                           scaling="current" if name == "fp8_current" else "delayed")
+                           scaling=name[4:] if name in ("fp8_current", "fp8_block")
+                           else "delayed")
          if name in RULES else None)
   state = jmp_lite.TrainState.create(apply_fn=model.apply, params=params, tx=tx,
                                      loss_scale=loss_scale, clip_norm=1.0, fp8=fp8)

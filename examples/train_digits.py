@@ -13,6 +13,8 @@ same batches, under each policy:
                Emulated on a CPU: it shows accuracy, not speed.
   fp8_current  ... with current scaling: each tensor's scale from its own
                maximum in the same step (Transformer Engine's recipe).
+  fp8_block    ... with block scaling (MXFP8): a power-of-two scale per 32
+               values along each matmul's contraction.
   pure_f16     float16 params and compute (O3 on a float16 GPU), plain Adam,
                dynamic loss scaling: `with_loss_scale` keeps Adam in float32.
   pure_bf16    bfloat16 params and Adam moments, round-to-nearest updates.
@@ -51,6 +53,8 @@ POLICIES = {
             "bf16 compute, Dense matmuls in fp8 with delayed scaling"),
     "fp8_current": ("p=f32,c=bf16,o=f32,fp8=hybrid",
                     "fp8 with current scaling (each tensor's own maximum, this step)"),
+    "fp8_block": ("p=f32,c=bf16,o=f32,fp8=hybrid",
+                  "fp8 with block scaling (MXFP8: a power-of-two scale per 32 values)"),
     "pure_f16": ("p=f16,c=f16,o=f32", "f16 params and compute, dynamic loss scale"),
     "pure_bf16": ("p=bf16,c=bf16,o=f32", "bf16 params and Adam moments, round to nearest"),
     "pure_bf16_sr": ("p=bf16,c=bf16,o=f32", "pure_bf16 + stochastic rounding of updates"),
@@ -61,7 +65,7 @@ DEFAULT_POLICIES = "f32,bf16,f16"
 # defaults, on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
 TIMINGS = {"f32": (3.5, 16.7), "bf16": (4.2, 17.5), "f16": (3.7, 15.8),
            "f16_underflow": (7.0, 17.0), "fp8": (6.0, 20.0),
-           "fp8_current": (6.5, 21.0),
+           "fp8_current": (6.5, 21.0), "fp8_block": (7.0, 24.0),
            "pure_f16": (4.0, 17.0), "pure_bf16": (4.2, 18.0),
            "pure_bf16_sr": (4.5, 20.0), "pure_bf16_kahan": (4.5, 20.0)}
 
@@ -164,7 +168,8 @@ def train(name, data, args):
   # fp8: the metadata (amax histories and scales) of each fp8 matmul the
   # step makes, found by tracing it; it lives beside the loss scale.
   fp8 = (jmp_lite.fp8.init(loss_fn, params, x_train[first], y_train[first],
-                           scaling="current" if name == "fp8_current" else "delayed")
+                           scaling=name[4:] if name in ("fp8_current", "fp8_block")
+                           else "delayed")
          if policy.fp8 else None)
   state = jmp_lite.TrainState.create(
       apply_fn=model.apply, params=params, loss_scale=loss_scale, fp8=fp8,

@@ -26,7 +26,8 @@ DESCRIPTION = (
     "highest); `jmp_lite.flax.wrap(model, \"p=f32,c=bf16,o=f32\")`; and the "
     "same wrap with the rule `{nn.Dense: \"p=f32,c=bf16,o=f32,fp8=hybrid\"}` "
     "and the state of `jmp_lite.fp8.init` (delayed scaling, history length "
-    "1024; and once more with current scaling) in `TrainState.create(..., fp8=)`, which quantises every Dense "
+    "1024; and once more with current and with block scaling) in "
+    "`TrainState.create(..., fp8=)`, which quantises every Dense "
     "layer's operands to e4m3 and its output gradient to e5m2 and multiplies "
     "the fp8 arrays themselves (an fp8 `dot_general` accumulating in float32, "
     "the two scales applied to the product: Transformer Engine's GEMM; e5m2 × "
@@ -51,6 +52,8 @@ VARIANTS = (
     ("fp8", f"bf16 + fp8 hybrid on Dense: rule {POLICY},fp8=hybrid", POLICY, "delayed"),
     ("fp8_current", "the same fp8, current scaling (fp8.init(..., scaling=\"current\"))",
      POLICY, "current"),
+    ("fp8_block", "the same fp8, block scaling (MXFP8: scaling=\"block\")",
+     POLICY, "block"),
 )
 HISTORY_LENGTHS = (1024, 16)  # the default (Flax's and TE's too), a short one
 
@@ -363,6 +366,12 @@ def run(ctx: harness.Context) -> SectionResult:
       "matmuls are `dot_general`s of fp8 arrays (the `fp8 dots given to XLA` "
       "column; jit drops the first layer's input gradient, which nobody uses).")
   hlo.notes.append(
+      "Block scaling (MXFP8) quantises each operand by blocks of 32 and "
+      "multiplies the blocks' values read back exactly in bf16 (an fp8 value "
+      "times a power of two), accumulating in float32: the numbers an MX "
+      "GEMM computes, emulated, since only Blackwell GPUs have MX matrix "
+      "units (its `fp8 dots given to XLA` are 0 by design).")
+  hlo.notes.append(
       f"An f8e4m3fn × f8e4m3fn dot (f32 output) compiles on this backend "
       f"({jax.default_backend()}) to: {probe}.")
   if jax.default_backend() == "cpu":
@@ -409,7 +418,8 @@ def run(ctx: harness.Context) -> SectionResult:
       "timings": t, "f8_dot_probe": probe,
       "ratios": {"bf16_vs_f32": bf16 / f32, "fp8_vs_f32": fp8 / f32,
                  "fp8_vs_bf16": fp8 / bf16,
-                 "fp8_current_vs_bf16": t["fp8_current"].median / bf16},
+                 "fp8_current_vs_bf16": t["fp8_current"].median / bf16,
+                 "fp8_block_vs_bf16": t["fp8_block"].median / bf16},
       "variants": {n: {k: v for k, v in f.items() if k != "fp8_state"}
                    for n, f in facts.items()},
   }
