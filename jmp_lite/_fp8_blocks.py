@@ -17,7 +17,7 @@ to E8M0's range [-127, 127]. A block whose maximum is 0 or not finite gets
 ``e = 0``; its inf and NaN stay non-finite.
 
 A dimension whose size is not a multiple of 32 ends in a shorter block. The
-product multiplies the blocks' values, read back exactly in bfloat16 (an fp8
+product multiplies the blocks' values, read back exactly in float32 (an fp8
 value times a power of two), accumulating in float32: no GPU before
 Blackwell has MX matrix units, and XLA:CPU has none, so block scaling is
 emulated there with the numbers an MX GEMM computes.
@@ -80,7 +80,7 @@ def quantize(x: jax.Array, axis, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize(q: jax.Array, e: jax.Array, axis) -> jax.Array:
-  """``q`` times its blocks' ``2**e``, exactly, in bfloat16 (``axis`` as
+  """``q`` times its blocks' ``2**e``, exactly, in float32 (``axis`` as
   `quantize` was given it)."""
   if axis is None:
     return dequantize(q.reshape(-1), e, 0).reshape(q.shape)
@@ -88,7 +88,7 @@ def dequantize(q: jax.Array, e: jax.Array, axis) -> jax.Array:
   n = q.shape[axis]
   full = jnp.repeat(e, BLOCK, axis=axis, total_repeat_length=e.shape[axis] * BLOCK)
   full = lax.slice_in_dim(full, 0, n, axis=axis)
-  return _exact.ldexp(q.astype(jnp.float32), full, jnp.float32).astype(jnp.bfloat16)
+  return _exact.ldexp(q.astype(jnp.float32), full, jnp.float32)
 
 
 def axes(dimension_numbers) -> tuple:
@@ -101,6 +101,13 @@ def axes(dimension_numbers) -> tuple:
 
 
 def dot(qa, ea, a_axis, qb, eb, b_axis, dimension_numbers) -> jax.Array:
-  """float32 ``dot_general`` of two block-quantised operands."""
+  """float32 ``dot_general`` of two block-quantised operands.
+
+  The operands are read back in float32: an fp8 value times a power of two
+  has at most 4 significant bits, so the values are exact in float32, in
+  TF32 (what a GPU's default float32 precision multiplies) and in bf16; a
+  float32 dot is the one every XLA backend takes in any layout (XLA:CPU
+  refuses some bf16 x bf16 -> float32 layouts at run time).
+  """
   return lax.dot_general(dequantize(qa, ea, a_axis), dequantize(qb, eb, b_axis),
                          dimension_numbers, preferred_element_type=jnp.float32)

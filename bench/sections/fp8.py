@@ -367,8 +367,8 @@ def run(ctx: harness.Context) -> SectionResult:
       "column; jit drops the first layer's input gradient, which nobody uses).")
   hlo.notes.append(
       "Block scaling (MXFP8) quantises each operand by blocks of 32 and "
-      "multiplies the blocks' values read back exactly in bf16 (an fp8 value "
-      "times a power of two), accumulating in float32: the numbers an MX "
+      "multiplies the blocks' values read back exactly in float32 (an fp8 "
+      "value times a power of two), accumulating in float32: the numbers an MX "
       "GEMM computes, emulated, since only Blackwell GPUs have MX matrix "
       "units (its `fp8 dots given to XLA` are 0 by design).")
   hlo.notes.append(
