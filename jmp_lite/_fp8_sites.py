@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 from jax import lax
@@ -118,91 +118,111 @@ def _transposes(dimension_numbers, lhs_ndim, rhs_ndim):
           _lhs_transpose(((rc, lc), (rb, lb)), rhs_ndim, lhs_ndim, swap_ans=True))
 
 
-def _cotangents(q_g, q_lhs, q_rhs, s_lhs, s_rhs, s_g, dimension_numbers):
-  """float32 cotangents of both operands from fp8 ``q_g``, ``q_lhs``, ``q_rhs``."""
-  (dims_l, perm_l), (dims_r, perm_r) = _transposes(dimension_numbers, q_lhs.ndim,
-                                                   q_rhs.ndim)
-  d_lhs = lax.transpose(_scaled_dot(q_g, q_rhs, dims_l, s_g, s_rhs), perm_l)
-  d_rhs = lax.transpose(_scaled_dot(q_g, q_lhs, dims_r, s_g, s_lhs), perm_r)
-  return d_lhs, d_rhs
+class _Static(NamedTuple):
+  """What a site's derivative rules know statically (hashable)."""
+  dimension_numbers: tuple
+  out_dtype: np.dtype
+  lhs: jax.ShapeDtypeStruct  # shape and dtype of each operand
+  rhs: jax.ShapeDtypeStruct
+  forward: np.dtype  # the operands' fp8 format
+  backward: np.dtype  # the gradient's
+  axes: tuple  # the manual axes the carrier varies over
+  scaling: str
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _matmul(lhs, rhs, carrier, static):
-  return _matmul_fwd(lhs, rhs, carrier, static)[0]
+  return _forward(lhs, rhs, carrier, static, need_lhs=False, need_rhs=False)[0]
 
 
 def _matmul_fwd(lhs, rhs, carrier, static):
-  dimension_numbers, out_dtype, _, _, forward, _, _, scaling = static
+  # Symbolic zeros: an operand nothing differentiates (a model's input, a
+  # frozen weight) needs no cotangent, so the other operand's fp8 copy,
+  # which only that cotangent reads, is not kept.
+  return _forward(lhs.value, rhs.value, carrier.value, static,
+                  need_lhs=lhs.perturbed, need_rhs=rhs.perturbed)
+
+
+def _forward(lhs, rhs, carrier, static, *, need_lhs, need_rhs):
+  """The product, and the residuals the wanted cotangents need."""
   amax = jnp.stack([_amax(lhs), _amax(rhs)])
-  if scaling == "block":
-    return _blocks_fwd(lhs, rhs, amax, static)
-  if scaling == "current":  # this step's maxima decide (the carrier's scales are not read)
-    factors, scales = _fp8_numerics.current_scaling(amax, forward)
+  if static.scaling == "block":
+    return _blocks_fwd(lhs, rhs, amax, static, need_lhs, need_rhs)
+  if static.scaling == "current":  # this step's maxima decide (the carrier's are not read)
+    factors, scales = _fp8_numerics.current_scaling(amax, static.forward)
   else:
     scales, factors = carrier[:2], carrier[ROLES:ROLES + 2]
-  q_lhs = _fp8_numerics.quantize_by(lhs, forward, factors[0])
-  q_rhs = _fp8_numerics.quantize_by(rhs, forward, factors[1])
-  out = _scaled_dot(q_lhs, q_rhs, dimension_numbers, scales[0], scales[1]).astype(out_dtype)
+  q_lhs = _fp8_numerics.quantize_by(lhs, static.forward, factors[0])
+  q_rhs = _fp8_numerics.quantize_by(rhs, static.forward, factors[1])
+  out = _scaled_dot(q_lhs, q_rhs, static.dimension_numbers, scales[0], scales[1])
   # The gradient's scale and factor, for the backward pass (unused when current).
   g_meta = jnp.stack([carrier[2], carrier[ROLES + 2]])
-  return out, (q_lhs, q_rhs, scales, g_meta, amax)
+  return out.astype(static.out_dtype), (q_lhs if need_rhs else None,
+                                        q_rhs if need_lhs else None, scales, g_meta, amax)
 
 
 def _matmul_bwd(static, residuals, g):
-  dimension_numbers, _, lhs_dtype, rhs_dtype, _, backward, axes, scaling = static
+  if isinstance(g, jax.custom_derivatives.SymbolicZero):
+    g = jnp.zeros(g.shape, g.dtype)
   amax_g = _amax(g)
-  if scaling == "block":
+  if static.scaling == "block":
     d_lhs, d_rhs, amax = _blocks_bwd(static, residuals, g)
   else:
     q_lhs, q_rhs, scales, g_meta, amax = residuals
-    if scaling == "current":
-      factor, scale = _fp8_numerics.current_scaling(amax_g[None], backward)
+    if static.scaling == "current":
+      factor, scale = _fp8_numerics.current_scaling(amax_g[None], static.backward)
       factor, scale = factor[0], scale[0]
     else:
       scale, factor = g_meta[0], g_meta[1]
-    q_g = _fp8_numerics.quantize_by(g, backward, factor)
-    d_lhs, d_rhs = _cotangents(q_g, q_lhs, q_rhs, scales[0], scales[1], scale,
-                               dimension_numbers)
+    q_g = _fp8_numerics.quantize_by(g, static.backward, factor)
+    (dims_l, perm_l), (dims_r, perm_r) = _transposes(
+        static.dimension_numbers, static.lhs.ndim, static.rhs.ndim)
+    d_lhs = None if q_rhs is None else lax.transpose(
+        _scaled_dot(q_g, q_rhs, dims_l, scale, scales[1]), perm_l)
+    d_rhs = None if q_lhs is None else lax.transpose(
+        _scaled_dot(q_g, q_lhs, dims_r, scale, scales[0]), perm_r)
   found = _probes._varying(
-      jnp.concatenate([amax, amax_g[None], jnp.zeros((ROLES,), jnp.float32)]), axes)
-  return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), found
+      jnp.concatenate([amax, amax_g[None], jnp.zeros((ROLES,), jnp.float32)]), static.axes)
+  return (None if d_lhs is None else d_lhs.astype(static.lhs.dtype),
+          None if d_rhs is None else d_rhs.astype(static.rhs.dtype), found)
 
 
-def _blocks_fwd(lhs, rhs, amax, static):
+def _blocks_fwd(lhs, rhs, amax, static, need_lhs, need_rhs):
   """Block scaling: each operand quantised along the forward contraction, and
   once more along the contraction of the backward product it enters (its
   residual, a byte an element and a scale a block)."""
-  dimension_numbers, out_dtype, _, _, forward, _, _, _ = static
-  a_axis, b_axis = _fp8_blocks.axes(dimension_numbers)
-  q_lhs, e_lhs = _fp8_blocks.quantize(lhs, a_axis, forward)
-  q_rhs, e_rhs = _fp8_blocks.quantize(rhs, b_axis, forward)
+  a_axis, b_axis = _fp8_blocks.axes(static.dimension_numbers)
+  q_lhs, e_lhs = _fp8_blocks.quantize(lhs, a_axis, static.forward)
+  q_rhs, e_rhs = _fp8_blocks.quantize(rhs, b_axis, static.forward)
   out = _fp8_blocks.dot(q_lhs, e_lhs, a_axis, q_rhs, e_rhs, b_axis,
-                        dimension_numbers).astype(out_dtype)
-  (dims_l, _), (dims_r, _) = _transposes(dimension_numbers, lhs.ndim, rhs.ndim)
+                        static.dimension_numbers).astype(static.out_dtype)
+  (dims_l, _), (dims_r, _) = _transposes(static.dimension_numbers, lhs.ndim, rhs.ndim)
   _, rhs_axis = _fp8_blocks.axes(dims_l)  # d_lhs contracts g with rhs
   _, lhs_axis = _fp8_blocks.axes(dims_r)  # d_rhs contracts g with lhs
-  return out, (_fp8_blocks.quantize(lhs, lhs_axis, forward),
-               _fp8_blocks.quantize(rhs, rhs_axis, forward), amax)
+  return out, (_fp8_blocks.quantize(lhs, lhs_axis, static.forward) if need_rhs else None,
+               _fp8_blocks.quantize(rhs, rhs_axis, static.forward) if need_lhs else None,
+               amax)
 
 
 def _blocks_bwd(static, residuals, g):
-  dimension_numbers, _, _, _, _, backward, _, _ = static
-  (q_lhs, e_lhs), (q_rhs, e_rhs), amax = residuals
-  (dims_l, perm_l), (dims_r, perm_r) = _transposes(dimension_numbers, q_lhs.ndim,
-                                                   q_rhs.ndim)
-  g_axis, rhs_axis = _fp8_blocks.axes(dims_l)
-  q_g, e_g = _fp8_blocks.quantize(g, g_axis, backward)
-  d_lhs = lax.transpose(_fp8_blocks.dot(q_g, e_g, g_axis, q_rhs, e_rhs, rhs_axis, dims_l),
-                        perm_l)
-  g_axis, lhs_axis = _fp8_blocks.axes(dims_r)
-  q_g, e_g = _fp8_blocks.quantize(g, g_axis, backward)
-  d_rhs = lax.transpose(_fp8_blocks.dot(q_g, e_g, g_axis, q_lhs, e_lhs, lhs_axis, dims_r),
-                        perm_r)
+  lhs_copy, rhs_copy, amax = residuals
+  (dims_l, perm_l), (dims_r, perm_r) = _transposes(static.dimension_numbers,
+                                                   static.lhs.ndim, static.rhs.ndim)
+  d_lhs = d_rhs = None
+  if rhs_copy is not None:
+    g_axis, rhs_axis = _fp8_blocks.axes(dims_l)
+    q_g, e_g = _fp8_blocks.quantize(g, g_axis, static.backward)
+    d_lhs = lax.transpose(_fp8_blocks.dot(q_g, e_g, g_axis, *rhs_copy, rhs_axis, dims_l),
+                          perm_l)
+  if lhs_copy is not None:
+    g_axis, lhs_axis = _fp8_blocks.axes(dims_r)
+    q_g, e_g = _fp8_blocks.quantize(g, g_axis, static.backward)
+    d_rhs = lax.transpose(_fp8_blocks.dot(q_g, e_g, g_axis, *lhs_copy, lhs_axis, dims_r),
+                          perm_r)
   return d_lhs, d_rhs, amax
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
 
 
 def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
@@ -226,6 +246,8 @@ def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
   dimension_numbers = tuple(tuple(tuple(int(i) for i in d) for d in pair)
                             for pair in dimension_numbers)
-  static = (dimension_numbers, np.dtype(out_dtype), np.dtype(lhs.dtype),
-            np.dtype(rhs.dtype), np.dtype(forward), np.dtype(backward), axes, scaling)
+  static = _Static(dimension_numbers, np.dtype(out_dtype),
+                   jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+                   jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+                   np.dtype(forward), np.dtype(backward), axes, scaling)
   return _matmul(lhs, rhs, carrier, static)

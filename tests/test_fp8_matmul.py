@@ -294,3 +294,18 @@ def test_current_scaling_of_zeros_and_non_finite_values():
   out = jax.jit(f)(x.at[0, 0].set(jnp.inf), w)  # amax inf: factor 1, inf kept
   assert not np.isfinite(np.asarray(out)[0]).any()
   assert np.isfinite(np.asarray(out)[1:]).all()
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current", "block"])
+def test_an_operand_nothing_differentiates_costs_no_residual(scaling):
+  """A model's input needs no cotangent: the kernel's fp8 copy, which only
+  that cotangent reads, is not kept, and the weight gradient is unchanged."""
+  x, w, g = _operands(10, m=32, k=64, n=32)
+  carrier = site_carrier([jnp.asarray([0.05, 0.003, 0.01])])
+  f = lambda x, w: _fp8_sites.matmul(x, w, carrier, MATMUL, jnp.float32, scaling=scaling)
+  _, vjp_w = jax.vjp(lambda w: f(x, w), w)
+  _, vjp_both = jax.vjp(f, x, w)
+  fp8 = lambda vjp: sorted(a.shape for a in jax.tree.leaves(vjp)
+                           if hasattr(a, "dtype") and a.dtype == E4M3)
+  assert fp8(vjp_w) == [x.shape] and fp8(vjp_both) == sorted([x.shape, w.shape])
+  np.testing.assert_array_equal(vjp_w(g)[0], vjp_both(g)[1])
