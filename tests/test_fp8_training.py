@@ -277,12 +277,14 @@ def test_the_step_quantises_in_fp8_and_multiplies_fp8_arrays():
   assert not [c for c in converts if c[0] in (e4m3, e5m2)]
   # Every matmul (one forward, two transposes per site) is a dot_general on
   # fp8 operands accumulating in float32: e4m3 x e4m3 forward, the e5m2
-  # cotangent with an e4m3 operand backward.
+  # cotangent with an e4m3 operand backward. The input's cotangent, which
+  # nothing differentiates, is not computed at all.
   dots = [e for e in eqns
           if "dot" in e.primitive.name or e.primitive.name.startswith("conv_general")]
-  assert len(dots) == 3 * sites
+  assert len(dots) == 3 * sites - 1
   operands = sorted(tuple(sorted(np.dtype(v.aval.dtype).name for v in e.invars)) for e in dots)
-  assert operands == sorted([(e4m3.name, e4m3.name)] * sites + [(e4m3.name, e5m2.name)] * 2 * sites)
+  assert operands == sorted([(e4m3.name, e4m3.name)] * sites
+                            + [(e4m3.name, e5m2.name)] * (2 * sites - 1))
   for e in dots:
     assert e.primitive.name == "dot_general"
     assert np.dtype(e.params["preferred_element_type"]) == f32
@@ -294,7 +296,7 @@ def test_the_step_quantises_in_fp8_and_multiplies_fp8_arrays():
   lowered_dots = [line for line in lowered.as_text().splitlines()
                   if "stablehlo.dot_general" in line]
   kinds = [tuple(re.findall(r"x(f8E4M3FN|f8E5M2|bf16|f32)>", line)) for line in lowered_dots]
-  # jit drops the cotangent of the input, which nobody asked for.
+  # (The cotangent of the input, which nobody asked for, is not there.)
   assert sorted(kinds) == sorted([("f8E4M3FN", "f8E4M3FN", "f32")] * sites
                                  + [("f8E5M2", "f8E4M3FN", "f32")] * (2 * sites - 1))
   hlo = lowered.compile().as_text()

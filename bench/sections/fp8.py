@@ -417,7 +417,8 @@ def run(ctx: harness.Context) -> SectionResult:
       f"{extra['instructions']:+d} instructions. No fp8 value is converted "
       "back to bf16 in the program given to XLA: each fp8 layer's three "
       "matmuls are `dot_general`s of fp8 arrays (the `fp8 dots given to XLA` "
-      "column; jit drops the first layer's input gradient, which nobody uses).")
+      "column; the first layer's input gradient, which nobody asks for, is "
+      "not computed).")
   hlo.notes.append(
       "Block scaling (MXFP8) quantises each operand by blocks of 32 and "
       "multiplies the blocks' values read back exactly in float32 (an fp8 "
