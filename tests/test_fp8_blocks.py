@@ -9,11 +9,11 @@ a columnwise one for the transposed use), computed in float64 where every
 step is exact, with ml_dtypes for the fp8 rounding. The products of the
 quantised values are exact in float64, so jmp_lite's float32 sums are
 checked within float32 accumulation's bound, and bitwise where every sum is
-exact.
+exact. (Any ``dimension_numbers`` against JAX's own transposes:
+``tests/test_fp8_matmul.py``.)
 """
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -135,27 +135,6 @@ def test_on_a_grid_the_products_are_exact():
   np.testing.assert_array_equal(out, (read(x, 1, E4M3) @ read(w, 0, E4M3)).astype(np.float32))
   np.testing.assert_array_equal(dx, (read(g, 1, E5M2) @ read(w.T, 0, E4M3)).astype(np.float32))
   np.testing.assert_array_equal(dw, (read(x.T, 1, E4M3) @ read(g, 0, E5M2)).astype(np.float32))
-
-
-@pytest.mark.parametrize("dims, shapes", [
-    ((((2,), (1,)), ((0,), (0,))), ((3, 5, 40), (3, 40, 4))),  # batched, as attention
-    ((((0, 2), (2, 1)), ((), ())), ((8, 3, 5), (6, 5, 8))),  # two contractions
-    ((((1,), (0,)), ((), ())), ((7, 1), (1, 9))),  # an outer product's transposes
-])
-def test_any_dimension_numbers_transpose_like_jax(dims, shapes):
-  """Small integers are exact in e4m3 and e5m2 with a scale of 1 (every
-  block's maximum is below both formats' largest power of two), so the site
-  computes what ``jax.vjp`` of a float32 ``dot_general`` computes."""
-  rng = np.random.default_rng(5)
-  x = jnp.asarray(rng.integers(-8, 9, shapes[0]), jnp.bfloat16)
-  w = jnp.asarray(rng.integers(-8, 9, shapes[1]), jnp.bfloat16)
-  ref = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-  want, ref_vjp = jax.vjp(ref, x.astype(jnp.float32), w.astype(jnp.float32))
-  g = jnp.asarray(rng.integers(-8, 9, want.shape), jnp.float32)
-  out, dx, dw, _ = _run(x, w, g, dims)
-  np.testing.assert_array_equal(out, want)
-  for got, exp in zip((dx, dw), ref_vjp(g)):
-    np.testing.assert_array_equal(got.astype(jnp.float32), exp)
 
 
 def test_residuals_are_fp8_and_a_scale_a_block():

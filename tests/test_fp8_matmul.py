@@ -76,10 +76,10 @@ def _operands(seed, m=16, k=48, n=24, dtype=np.float32, grid=False, g_scale=1.0)
   return (jnp.asarray(a, dtype) for a in (x, w, g))
 
 
-def _run(x, w, g, scales, out_dtype, dims=MATMUL):
+def _run(x, w, g, scales, out_dtype, dims=MATMUL, scaling="delayed"):
   """The site's product, both cotangents and the maxima it measured."""
   carrier = site_carrier([jnp.asarray(scales, jnp.float32)])
-  f = lambda x, w, c: _fp8_sites.matmul(x, w, c, dims, out_dtype)
+  f = lambda x, w, c: _fp8_sites.matmul(x, w, c, dims, out_dtype, scaling=scaling)
   out, vjp = jax.vjp(jax.jit(f), x, w, carrier)
   dx, dw, found = vjp(g.astype(out_dtype))
   np.testing.assert_array_equal(found[3:], np.zeros(3, np.float32))  # the factors' cotangent
@@ -124,13 +124,17 @@ def test_on_a_grid_the_products_are_exact():
     ((((2,), (1,)), ((0,), (0,))), ((3, 5, 8), (3, 8, 4))),  # batched, as attention
     ((((0, 2), (2, 1)), ((), ())), ((8, 3, 5), (6, 5, 8))),  # two contractions
     ((((1,), (2,)), ((0,), (1,))), ((2, 5, 3, 7), (4, 2, 5))),  # batch not leading
+    ((((2,), (1,)), ((0,), (0,))), ((3, 5, 40), (3, 40, 4))),  # a contraction over 32
+    ((((1,), (0,)), ((), ())), ((7, 1), (1, 9))),  # an outer product's transposes
 ])
-def test_any_dimension_numbers_transpose_like_jax(dims, shapes):
+@pytest.mark.parametrize("scaling", ["delayed", "block"])
+def test_any_dimension_numbers_transpose_like_jax(dims, shapes, scaling):
   """Oracle: JAX's own transposes of ``dot_general`` on the quantised values.
 
-  With scales of 1 and integer operands, the fp8 values are the operands,
-  so the fp8 site computes what ``jax.vjp`` of a float32 ``dot_general``
-  computes.
+  With integer operands in [-8, 8] the fp8 values are the operands: with
+  delayed scales of 1, and with block scales of 1 (every block's maximum is
+  below both formats' largest power of two). So the fp8 site computes what
+  ``jax.vjp`` of a float32 ``dot_general`` computes.
   """
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.integers(-8, 9, shapes[0]), jnp.bfloat16)
@@ -138,7 +142,7 @@ def test_any_dimension_numbers_transpose_like_jax(dims, shapes):
   ref = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
   want, ref_vjp = jax.vjp(ref, x.astype(jnp.float32), w.astype(jnp.float32))
   g = jnp.asarray(rng.integers(-8, 9, want.shape), jnp.float32)
-  out, dx, dw, _ = _run(x, w, g, (1.0, 1.0, 1.0), np.float32, dims)
+  out, dx, dw, _ = _run(x, w, g, (1.0, 1.0, 1.0), np.float32, dims, scaling)
   np.testing.assert_array_equal(out, want)
   for got, exp in zip((dx, dw), ref_vjp(g)):
     np.testing.assert_array_equal(got.astype(jnp.float32), exp)
