@@ -396,9 +396,7 @@ def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
   selection = Fp8Selection(fp8_state.select, fp8_state.recipe, fp8_state.scaling)
   closed, plan, traced, out_tree = _trace(fun, args, kwargs,
                                           _Planner(None, (), (), selection))
-  slots = sites(plan)
-  _check_state(fp8_state, slots)  # every site of the state, and no other
-  carrier = _carrier(plan, slots, fp8_state)
+  carrier = _carrier(plan, sites(plan), fp8_state)
   now = jax.tree_util.tree_leaves((args, kwargs))
   outs = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced], carrier, plan)
   return jax.tree_util.tree_unflatten(out_tree["tree"], outs)
@@ -408,8 +406,9 @@ def _carrier(plan: Plan, slots, fp8_state) -> jax.Array:
   """The float32 carrier of ``plan``: zeros, and each fp8 site's scales and
   their reciprocals (`jmp_lite._fp8_numerics.site_carrier`)."""
   carrier = jnp.zeros((plan.size,), jnp.float32)
+  if slots or fp8_state is not None:
+    scales = _check_state(fp8_state, slots)  # every site of the state, and no other
   if slots:
-    scales = _check_state(fp8_state, slots)
     carrier = carrier.at[np.concatenate([i.ravel() for _, _, i in slots])].set(
         _fp8_numerics.site_carrier([scales[name] for name, _, _ in slots]))
   if _replicas.manual_axes() and _replicas.tracks_varying(_replicas.manual_axes()):
