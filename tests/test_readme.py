@@ -1,5 +1,8 @@
-"""The README's Python examples run, in order, in one namespace.
+"""The README's Python examples run as a reader would run them.
 
+Each block runs on its own, in a fresh namespace, unless its first line says
+``# Continues the block above.``: then it runs in that block's namespace. So a
+reader can copy any block that does not say so into a fresh interpreter.
 They run under JAX's default (standard) dtype promotion, as users run them.
 """
 
@@ -9,15 +12,26 @@ import re
 import jax
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+CONTINUES = "# Continues the block above."
+
+
+def _blocks():
+  return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
 def test_readme_python_blocks_run(capsys):
-  blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+  blocks = _blocks()
   assert len(blocks) >= 8
   namespace = {}
   with jax.numpy_dtype_promotion("standard"):
     for i, block in enumerate(blocks):
+      if not block.startswith(CONTINUES):
+        namespace = {}
       try:
         exec(compile(block, f"README.md[python block {i}]", "exec"), namespace)
       except Exception as e:
         raise AssertionError(f"README python block {i} failed:\n{block}") from e
+
+
+def test_the_first_block_stands_alone():
+  assert not _blocks()[0].startswith(CONTINUES)
