@@ -15,6 +15,8 @@ import this module before JAX loads.
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -35,10 +37,37 @@ def _compute_dtype(policy_name: str) -> str:
   return "float32"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """``--help`` shows each flag's default; switches that are off say nothing."""
+
+  def _get_help_string(self, action):
+    if any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+      return action.help
+    return super()._get_help_string(action)
+
+
+# The PyPI names of the optional modules the examples import.
+_DISTRIBUTIONS = {"sklearn": "scikit-learn", "tqdm": "tqdm", "matplotlib": "matplotlib"}
+
+
+def require(*modules: str) -> None:
+  """Exits naming the extra to install if one of ``modules`` is missing.
+
+  The examples' data (scikit-learn's digits), progress bars and plots come
+  from the ``examples`` extra, which ``pip install -e .`` alone does not
+  install.
+  """
+  missing = [_DISTRIBUTIONS.get(m, m) for m in modules
+             if importlib.util.find_spec(m) is None]
+  if missing:
+    sys.exit(f"{os.path.basename(sys.argv[0]) or 'this example'} needs "
+             f"{' and '.join(missing)}, which the project's `examples` extra "
+             "installs: pip install -e \".[examples]\" (from the repository root)")
+
+
 # The --policies help of the examples that compare these three.
 THREE_POLICIES = ("comma-separated: f32 (float32), bf16 (bf16 compute, f32 "
-                  "params), f16 (f16 compute, f32 params, dynamic loss scale); "
-                  "default all three")
+                  "params), f16 (f16 compute, f32 params, dynamic loss scale)")
 
 
 def policy_names(parser, value: str, known) -> list[str]:

@@ -34,7 +34,8 @@ TIMINGS = {"f32": (2.5, 5.7), "bf16": (3.2, 4.7), "f16": (3.5, 5.0)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=_firstrun.HelpFormatter)
   parser.add_argument("--steps", type=int, default=300, help="training steps per run")
   parser.add_argument("--batch-size", type=int, default=64, help="images per step")
   parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
@@ -57,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
   # JAX takes seconds to import: --help and bad flags answer first.
   parse_args()
+
+_firstrun.require("sklearn", "tqdm")  # before the imports that need them
 
 import jax  # noqa: E402  (imports after the early parse above)
 import jax.numpy as jnp  # noqa: E402

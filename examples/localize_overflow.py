@@ -26,10 +26,15 @@ import sys
 import _firstrun  # the standard library only: fine before the early parse
 
 DEFAULT_MODULE = "Block_1/MultiHeadDotProductAttention_0/query"
+# Seconds to compile (the training step and the diagnosing step) and
+# milliseconds per step with the defaults, on _firstrun.REFERENCE_MACHINE;
+# they feed the time estimate.
+TIMINGS = {"f16": (TODO_COMPILE, TODO_STEP)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=_firstrun.HelpFormatter)
   _firstrun.add_training_arguments(
       parser, steps=40, steps_help="training steps", batch_size=16,
       batch_help="sequences per step", lr=2e-3, seed_help="seed of the "
@@ -45,12 +50,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="telemetry sampling while training")
   parser.add_argument("--out-dir", default="runs/localize_overflow",
                       help="where summary.json goes")
-  parser.add_argument("--no-progress", action="store_true", help="(no progress bar here)")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
   parse_args()  # --help and bad flags answer before JAX is imported
+
+_firstrun.require("tqdm")  # before the imports that need them
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -59,6 +66,7 @@ import optax  # noqa: E402
 
 import jmp_lite  # noqa: E402
 import jmp_lite.flax  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from train_char_lm import CharTransformer, batches, load_corpus  # noqa: E402
 
 
@@ -79,6 +87,8 @@ def spike(params, path: str, factor):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
+  # Training stops at the first skipped step: at most --inject-step + 1 steps.
+  _firstrun.announce(TIMINGS, ["f16"], min(args.steps, args.inject_step + 1))
   data = load_corpus(args.corpus_bytes)
   policy = jmp_lite.get_policy("p=f32,c=f16,o=f32")
   model = jmp_lite.flax.wrap(CharTransformer(context=args.context), policy)
@@ -99,7 +109,8 @@ def main(argv=None) -> dict:
 
   rng = np.random.default_rng(args.seed)
   found = None
-  for step in range(args.steps):
+  bar = tqdm(range(args.steps), desc="f16", disable=args.no_progress, leave=False)
+  for step in bar:
     x, y = batches(data, rng, args.batch_size, args.context)
     factor = jnp.float32(args.factor if step == args.inject_step else 1.0)
     before = state
@@ -107,12 +118,14 @@ def main(argv=None) -> dict:
     if bool(info.skipped):
       stats = diagnose(before, x, y, factor).precision
       found = stats.first_nonfinite()
+      bar.close()
       print(f"step {step}: skipped (loss scale {float(info.loss_scale):g}); "
             f"first non-finite value: {found}")
       print(stats.table())
       break
     if step % 10 == 0:
-      print(f"step {step}: loss {float(info.loss):.3f}, scale {float(info.loss_scale):g}")
+      tqdm.write(f"step {step}: loss {float(info.loss):.3f}, "
+                 f"scale {float(info.loss_scale):g}")
   expected = f"{args.inject_module} (forward)"
   ok = found == expected
   print(("OK: " if ok else "MISMATCH: ") + f"injected into {args.inject_module}, "

@@ -47,7 +47,8 @@ TIMINGS = {"f32": (12.0, 250.0), "bf16": (14.0, 400.0), "f16": (15.0, 400.0),
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=_firstrun.HelpFormatter)
   parser.add_argument("--policies", default="f32,bf16,f16",
                       help=_firstrun.THREE_POLICIES + "; also fp8 (bf16 compute, "
                            "the MLP blocks' matmuls in fp8, delayed scaling) and "
@@ -74,6 +75,8 @@ if __name__ == "__main__":
   parse_args()
 
 import flax.linen as nn  # noqa: E402  (imports after the early parse above)
+_firstrun.require("tqdm")  # before the imports that need them
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -55,6 +55,9 @@ import zlib
 import _firstrun  # the standard library only: fine before the early parse
 
 POLICY = "p=f32,c=bf16,o=f32"
+# Seconds to start the processes and compile, and milliseconds per step, with
+# the defaults on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
+TIMINGS = {"bf16": (TODO_COMPILE, TODO_STEP)}
 # Set by jmp_lite.testing.run_processes in the processes it starts (the
 # harness's ENV_PROCESS_ID; jmp_lite is not imported yet, it imports JAX).
 WORKER_ENV = "JMP_LITE_PROCESS_ID"
@@ -68,7 +71,7 @@ MODES = {"worker": "started by jmp_lite.testing.run_processes, Gloo collectives"
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
+      description=__doc__.split("\n\n")[0], formatter_class=_firstrun.HelpFormatter,
       epilog="Cluster flags select the cluster mode; without them the script "
              "runs locally.")
   local = parser.add_argument_group("local run (the default)")
@@ -134,6 +137,8 @@ if __name__ == "__main__":
   # JAX and Flax take seconds to import: --help and bad flags answer first.
   parse_args()
 
+_firstrun.require("tqdm")  # before the imports that need them
+
 import jax  # noqa: E402  (imports after the early parse above)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -149,6 +154,8 @@ import train_char_lm as char_lm  # noqa: E402  (the model and the corpus)
 
 def launch(args, argv) -> dict:
   """Starts this script as ``args.processes`` local processes; echoes process 0."""
+  _firstrun.announce(TIMINGS, ["bf16"], args.steps,
+                     what=f"training time ({args.processes} processes)")
   print(f"Starting {args.processes} processes × {args.devices_per_process} CPU "
         "devices on this machine (coordinator on 127.0.0.1, Gloo collectives); "
         "process 0's output follows.\n", flush=True)
@@ -356,7 +363,9 @@ def main(argv=None):
   args = parse_args(argv)
   if args.mode == "launch":
     return launch(args, argv)
-  join(args)
+  join(args)  # before JAX starts its backend (the announcement's probe does)
+  if args.mode == "single":
+    _firstrun.announce(TIMINGS, ["bf16"], args.steps)
   return train(args)
 
 

@@ -70,15 +70,22 @@ TIMINGS = {"f32": (3.5, 16.7), "bf16": (4.2, 17.5), "f16": (3.7, 15.8),
            "pure_bf16_sr": (4.5, 20.0), "pure_bf16_kahan": (4.5, 20.0)}
 
 
+def _all_policies_ratio() -> float:
+  """How much longer --all-policies takes than the default, from TIMINGS."""
+  def seconds(names):
+    return sum(TIMINGS[n][0] + 600 * TIMINGS[n][1] / 1e3 for n in names)
+  return seconds(POLICIES) / seconds(DEFAULT_POLICIES.split(","))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
+      description=__doc__.split("\n\n")[0], formatter_class=_firstrun.HelpFormatter,
       epilog="policies: " + "; ".join(f"{n} = {d}" for n, (_, d) in POLICIES.items()))
   parser.add_argument("--policies", default=DEFAULT_POLICIES,
-                      help=f"comma-separated policy names (default {DEFAULT_POLICIES}; "
-                           f"all: {','.join(POLICIES)})")
+                      help=f"comma-separated policy names (all: {','.join(POLICIES)})")
   parser.add_argument("--all-policies", action="store_true",
-                      help="run every policy (about 2.5x the default's time)")
+                      help=f"run every policy (about {_all_policies_ratio():.0f}x the "
+                           "default's time)")
   parser.add_argument("--steps", type=int, default=600, help="training steps per policy")
   parser.add_argument("--batch-size", type=int, default=64, help="images per step")
   parser.add_argument("--lr", type=float, default=3e-3,
@@ -100,6 +107,8 @@ if __name__ == "__main__":
   parse_args()
 
 import flax.linen as nn  # noqa: E402  (imports after the early parse above)
+_firstrun.require("sklearn", "tqdm", "matplotlib")  # before the imports that need them
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -223,6 +232,12 @@ def train(name, data, args):
   }
 
 
+def _power_of_two(value: float) -> str:
+  """``2^k`` for a power of two, else the number."""
+  k = np.log2(value)
+  return f"$2^{{{k:.0f}}}$" if k == round(k) else f"{value:g}"
+
+
 def plot(results, path):
   import matplotlib
   matplotlib.use("Agg")
@@ -243,11 +258,23 @@ def plot(results, path):
   ax1.legend(fontsize=7)
   if scaled:
     ax2 = axes[0, 1]
+    levels, last = set(), 0
     for name, r in scaled.items():
-      ax2.step(range(len(r["loss_scales"])), r["loss_scales"], where="post",
+      # The scale each step used, then the one after the last step: the run
+      # ends at its final scale (the one the table prints).
+      ys = list(r["loss_scales"]) + [r["final_loss_scale"]]
+      ax2.step(range(len(ys)), ys, where="post",
                label=f"{name}: {r['skipped_steps']} steps skipped")
+      levels |= set(ys)
+      last = max(last, len(ys) - 1)
     ax2.set(title="Dynamic loss scale (policies without scaling stay at 1: not shown)",
-            xlabel="step", ylabel="loss scale", yscale="log")
+            xlabel="step", ylabel="loss scale", xlim=(0, last))
+    # The scale moves by factors of two: a log2 axis with a tick at every
+    # level the runs reached, labelled as powers of two.
+    ax2.set_yscale("log", base=2)
+    ax2.set_yticks(sorted(levels), [_power_of_two(v) for v in sorted(levels)])
+    ax2.minorticks_off()
+    ax2.set_ylim(min(levels) / 1.5, max(levels) * 1.5)  # the top level off the frame
     ax2.title.set_fontsize(9)
     ax2.legend(fontsize=7)
   if measured:

@@ -52,7 +52,8 @@ TIMINGS = {"f32": (35.0, 47.0), "bf16": (40.0, 73.0), "f16": (45.0, 61.0)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=_firstrun.HelpFormatter)
   parser.add_argument("--policies", default="f32,bf16,f16",
                       help=_firstrun.THREE_POLICIES)
   _firstrun.add_training_arguments(
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
   # JAX and Flax take seconds to import: --help and bad flags answer first.
   parse_args()
+
+_firstrun.require("tqdm")  # before the imports that need them
 
 import jax  # noqa: E402  (imports after the early parse above)
 import jax.numpy as jnp  # noqa: E402

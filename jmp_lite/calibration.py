@@ -42,8 +42,8 @@ class ScopeStats:
   """What one scope's forward values and cotangents look like (float32 pass).
 
   Attributes:
-    max_activation: largest |value| of the scope's forward outputs.
-    max_cotangent: largest |cotangent| of those outputs, at loss scale 1.
+    max_activation: largest ``|value|`` of the scope's forward outputs.
+    max_cotangent: largest ``|cotangent|`` of those outputs, at loss scale 1.
     underflow: of the non-zero cotangents, the fraction that would be
       subnormal or zero in the compute dtype at the calibrated scale.
     overflow: whether a forward value exceeds the compute dtype's maximum
@@ -64,7 +64,7 @@ class Calibration:
     loss_scale: the largest power of two (within ``[1, max_loss_scale]``) for
       which ``loss_scale * max_cotangent * margin`` stays below the compute
       dtype's maximum; 1.0 for a compute dtype with float32's range (bf16).
-    max_cotangent: the largest |cotangent|, at loss scale 1, of the
+    max_cotangent: the largest ``|cotangent|``, at loss scale 1, of the
       parameters and of the values computed inside a scope (a Flax module,
       a ``jax.named_scope``): what a wrapped model computes in half
       precision, not the loss around it. Of every value, for a function

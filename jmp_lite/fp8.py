@@ -211,7 +211,7 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
 
   Args:
     fun: the loss function, as the step will be given it.
-    *args: example arguments (arrays or ``jax.ShapeDtypeStruct``s are fine).
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` values are fine).
     argnums, has_aux, policy: as the step will be given them.
     select: which matmuls: None for those of the modules a policy with
       ``fp8`` governs under `jmp_lite.flax.wrap`; or a regular expression

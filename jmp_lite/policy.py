@@ -369,16 +369,16 @@ def get_policy(policy_name: str | Policy) -> Policy:
     lack bfloat16 arithmetic). Parsing a preset never touches a device, so
     it can run before ``jax.distributed.initialize()``:
 
-    =================  ==========================================  ===================
-    preset             policy                                      mirrors
-    =================  ==========================================  ===================
-    ``O0``             ``p=f32,c=f32,o=f32``                       Apex/MindSpore O0
-    ``O1``             ``p=f32,c=f32,o=f32,a=half`` (op autocast)  Apex/MindSpore O1
-    ``O2``             ``p=f32,c=half,o=f32``                      Apex/MindSpore O2
-    ``O3``             ``p=half,c=half,o=half``                    Apex/MindSpore O3
-    ``mixed_bfloat16`` ``p=f32,c=bf16,o=bf16``                     Keras
-    ``mixed_float16``  ``p=f32,c=f16,o=f16``                       Keras
-    =================  ==========================================  ===================
+    ==================  ==========================================  ===================
+    preset              policy                                      mirrors
+    ==================  ==========================================  ===================
+    ``O0``              ``p=f32,c=f32,o=f32``                       Apex/MindSpore O0
+    ``O1``              ``p=f32,c=f32,o=f32,a=half`` (op autocast)  Apex/MindSpore O1
+    ``O2``              ``p=f32,c=half,o=f32``                      Apex/MindSpore O2
+    ``O3``              ``p=half,c=half,o=half``                    Apex/MindSpore O3
+    ``mixed_bfloat16``  ``p=f32,c=bf16,o=bf16``                     Keras
+    ``mixed_float16``   ``p=f32,c=f16,o=f16``                       Keras
+    ==================  ==========================================  ===================
 
   ``str(policy)`` parses back to an equal policy. A `Policy` is returned as is.
 

@@ -5,7 +5,7 @@ and the step also returns a `PrecisionStats`: per module path (a wrapped Flax
 model's module, Linen or NNX, as in `jmp_lite.flax.wrap`'s rules, and each
 parameter as the module computes with it, ``"Dense_0/kernel"``, whose
 cotangent is the weight gradient in the compute dtype; or a value marked
-with `tap` in plain JAX), the largest finite |x| of its output in the
+with `tap` in plain JAX), the largest finite ``|x|`` of its output in the
 forward pass and of that output's cotangent in the backward pass, how many
 of each were non-finite, and which fraction of the non-zero ones were
 subnormal or flushed to zero in the dtype they were held in (and in the
@@ -127,7 +127,7 @@ class ModuleStats:
 
   Attributes:
     dtype: the dtype the output was held in.
-    forward_max: largest finite |x| of the output.
+    forward_max: largest finite ``|x|`` of the output.
     forward_nonfinite: count of inf/NaN elements of the output.
     forward_underflow: per dtype name (``dtype`` and each ``what_if``): of
       the non-zero finite elements, the fraction below that dtype's smallest

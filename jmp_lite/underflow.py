@@ -37,10 +37,12 @@ __all__ = ("UnderflowAwareLossScale",)
 class UnderflowAwareLossScale(ls_lib.DynamicLossScale):
   """`jmp_lite.DynamicLossScale` that also grows on measured underflow.
 
+  The fields of `jmp_lite.DynamicLossScale` (``loss_scale``, ``counter``,
+  ``period``, ``factor``, ``min_loss_scale``, ``max_loss_scale``,
+  ``hysteresis``, ``hysteresis_left``, ``consecutive_hysteresis``) mean the
+  same here.
+
   Args:
-    loss_scale, counter, period, factor, min_loss_scale, max_loss_scale,
-    hysteresis, hysteresis_left, consecutive_hysteresis: as in
-      `jmp_lite.DynamicLossScale`.
     underflow_threshold: the fraction of non-zero half-precision cotangents
       below the smallest normal above which a finite step grows the scale
       (in ``[0, 1)``; default 0.01).
