@@ -56,8 +56,11 @@ import _firstrun  # the standard library only: fine before the early parse
 
 POLICY = "p=f32,c=bf16,o=f32"
 # Seconds to start the processes and compile, and milliseconds per step, with
-# the defaults on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
-TIMINGS = {"bf16": (TODO_COMPILE, TODO_STEP)}
+# the defaults, scaled to _firstrun.REFERENCE_MACHINE from a run on a 2-core
+# avx512_bf16 EPYC (33 s, 763 ms a step at load average 4). They feed the time
+# estimate, which scales steps by matmul speed: rough here, where Gloo's
+# collectives between the processes take much of each step.
+TIMINGS = {"bf16": (30.0, 1700.0)}
 # Set by jmp_lite.testing.run_processes in the processes it starts (the
 # harness's ENV_PROCESS_ID; jmp_lite is not imported yet, it imports JAX).
 WORKER_ENV = "JMP_LITE_PROCESS_ID"
@@ -155,7 +158,7 @@ import train_char_lm as char_lm  # noqa: E402  (the model and the corpus)
 def launch(args, argv) -> dict:
   """Starts this script as ``args.processes`` local processes; echoes process 0."""
   _firstrun.announce(TIMINGS, ["bf16"], args.steps,
-                     what=f"training time ({args.processes} processes)")
+                     what=f"training ({args.processes} processes)")
   print(f"Starting {args.processes} processes × {args.devices_per_process} CPU "
         "devices on this machine (coordinator on 127.0.0.1, Gloo collectives); "
         "process 0's output follows.\n", flush=True)

@@ -443,12 +443,12 @@ def test_parsing_a_preset_initialises_no_backend():
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
   # The docstring's table says the same.
   doc = jmp_lite.get_policy.__doc__
-  for row in ("``O0``             ``p=f32,c=f32,o=f32``",
-              "``O1``             ``p=f32,c=f32,o=f32,a=half``",
-              "``O2``             ``p=f32,c=half,o=f32``",
-              "``O3``             ``p=half,c=half,o=half``",
-              "``mixed_bfloat16`` ``p=f32,c=bf16,o=bf16``",
-              "``mixed_float16``  ``p=f32,c=f16,o=f16``"):
+  for row in ("``O0``              ``p=f32,c=f32,o=f32``",
+              "``O1``              ``p=f32,c=f32,o=f32,a=half``",
+              "``O2``              ``p=f32,c=half,o=f32``",
+              "``O3``              ``p=half,c=half,o=half``",
+              "``mixed_bfloat16``  ``p=f32,c=bf16,o=bf16``",
+              "``mixed_float16``   ``p=f32,c=f16,o=f16``"):
     assert row in doc
 
 
