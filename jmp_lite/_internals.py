@@ -23,6 +23,9 @@ from jax.interpreters import mlir
 
 core = jex.core
 Primitive = jex.core.Primitive
+# `jax.extend.core.DropVar` from JAX 0.10 on; JAX 0.9 has it in `jax.core` only
+# (where 0.10 deprecates it).
+DropVar = getattr(jex.core, "DropVar", None) or jax.core.DropVar
 
 # --- Defining primitives ------------------------------------------------------
 # The protocol of "Writing custom JAX primitives" (JAX docs): rule tables in
@@ -179,7 +182,7 @@ def eval_jaxpr(jaxpr, consts, args, eval_eqn) -> list[Any]:
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for v, x in zip(eqn.outvars, outs):
-      if not isinstance(v, core.DropVar):
+      if not isinstance(v, DropVar):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
 

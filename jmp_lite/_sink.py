@@ -52,7 +52,7 @@ BROADCASTING = frozenset({"add", "sub", "mul", "div", "max", "min", "add_any"})
 
 def _is_var(v) -> bool:
   return isinstance(v, _internals.core.Var) and not isinstance(
-      v, _internals.core.DropVar)
+      v, _internals.DropVar)
 
 
 def sink(eqns: list) -> list:

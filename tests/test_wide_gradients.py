@@ -9,7 +9,6 @@ least as closely as JAX's own narrow sums do.
 """
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ import jmp_lite
 from jmp_lite import _engine
 from jmp_lite import _hlo
 from jmp_lite.testing import assert_trees_bitwise_equal
+from jaxprs import equations
 
 POLICY = jmp_lite.get_policy("p=f32,c=bf16,o=f32")
 
@@ -50,11 +50,9 @@ def _narrow(params, tokens):
 
 def _sums(jaxpr):
   """(primitive, dtype) of every sum in a jaxpr, nested ones included."""
-  found = [(eqn.primitive.name, eqn.outvars[0].aval.dtype) for eqn in jaxpr.eqns
-           if eqn.primitive.name in ("reduce_sum", "scatter-add", "scatter_add")]
-  for sub in jax.extend.core.subjaxprs(jaxpr):
-    found += _sums(sub)
-  return found
+  return [(eqn.primitive.name, eqn.outvars[0].aval.dtype)
+          for eqn in equations(jaxpr)
+          if eqn.primitive.name in ("reduce_sum", "scatter-add", "scatter_add")]
 
 
 def test_forward_is_bitwise_the_model_as_written():
