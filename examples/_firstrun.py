@@ -171,6 +171,9 @@ def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str]
     scale = REFERENCE_GFLOPS[dtype] / measured[dtype]
     total += compile_s + steps * max(step_ms * scale, 1.0) / 1e3
   print(hardware.advice(measured))
+  busy = _busy()
+  if busy:
+    print(busy)
   print(f"Estimated {what} time here: about {_duration(total)} "
         f"({len(policies)} {'policy' if len(policies) == 1 else 'policies'} × "
         f"{steps} steps; rough: timings from {REFERENCE_MACHINE}, scaled by "
@@ -178,6 +181,19 @@ def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str]
         f"{time.perf_counter() - started:.1f} s).\n", flush=True)
   return {"hardware": hardware.headline(), "matmul_gflops": measured,
           "estimated_seconds": round(total, 1)}
+
+
+def _busy() -> str:
+  """A warning when other work shares the cores (load above the core count)."""
+  try:
+    load = os.getloadavg()[0]
+  except OSError:  # not available on this platform
+    return ""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  if load <= (cores or 1):
+    return ""
+  return (f"This machine is busy: load average {load:.1f} on {cores} cores. Other "
+          "processes share the CPU, so the run will take longer than estimated.")
 
 
 def _duration(seconds: float) -> str:
