@@ -25,6 +25,9 @@ from bench import harness  # noqa: E402
 from bench import machine  # noqa: E402
 from bench import plan as plan_lib  # noqa: E402
 
+# The heavy tier (the bench's dry run, section by section): `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 SECTIONS = ("all_finite", "matmul", "steps", "fused_clip", "guard", "compiles",
             "compile_time", "memory", "imports", "fp8")
 ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\s*\d", re.IGNORECASE)

@@ -12,6 +12,9 @@ import sys
 import numpy as np
 import pytest
 
+# The heavy tier (the examples, each a real training run in its own process): `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

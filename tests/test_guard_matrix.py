@@ -33,6 +33,9 @@ from jmp_lite import optax as jo
 from jmp_lite.testing import count_compilations, inject_nonfinite
 from jmp_lite.testing import assert_trees_bitwise_equal
 
+# The heavy tier (every optax optimizer under every fault): `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 _LR = 1e-3
 _TARGET = 0.25
 

@@ -32,6 +32,7 @@ def _reduce_ops(compiled) -> int:
   return compiled.as_text().count(" reduce(")
 
 
+@pytest.mark.slow  # compiles steps of up to hundreds of arrays: the heavy tier
 @pytest.mark.usefixtures("standard_promotion")  # optax's Adam: b1 ** count
 @pytest.mark.parametrize("clip_norm", [None, 1.0])
 def test_reductions_do_not_grow_with_the_number_of_arrays(clip_norm):

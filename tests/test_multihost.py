@@ -38,6 +38,9 @@ import pytest
 
 from jmp_lite.testing import MultiProcessError, ProcessResult, run_processes
 
+# The heavy tier (several processes joined over Gloo): `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 WORKERS = pathlib.Path(__file__).with_name("multihost_workers")
 HARNESS = WORKERS / "harness.py"
 DATA_PARALLEL = WORKERS / "data_parallel.py"

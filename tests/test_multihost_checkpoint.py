@@ -32,6 +32,9 @@ import pytest
 
 from jmp_lite.testing import MultiProcessError, run_processes
 
+# The heavy tier (several processes joined over Gloo): `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 WORKER = pathlib.Path(__file__).with_name("multihost_workers") / "checkpoint.py"
 N_STEPS, STOP = 10, 6  # the worker's
 POISONED = {1: (40, 3), 2: (7, 1), 7: (50, 0)}  # the worker's: step -> (row, column)

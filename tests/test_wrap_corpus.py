@@ -47,6 +47,9 @@ import jmp_lite.flax
 import jmp_lite.optax
 from jmp_lite.testing import count_compilations
 
+# The heavy tier (published-style models trained under wrap): `pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 POLICIES = {"f32": "f32", "bf16": "p=f32,c=bf16,o=f32",
             "f16": "p=f32,c=f16,o=f32"}
 HALF = {"bf16": "bf16", "f16": "f16"}
