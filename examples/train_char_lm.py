@@ -74,9 +74,9 @@ if __name__ == "__main__":
   # JAX and Flax take seconds to import: --help and bad flags answer first.
   parse_args()
 
-import flax.linen as nn  # noqa: E402  (imports after the early parse above)
 _firstrun.require("tqdm")  # before the imports that need them
 
+import flax.linen as nn  # noqa: E402  (imports after the early parse above)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -135,6 +135,8 @@ def test_localize_overflow_names_the_injected_module(tmp_path, module, step):
                          "--inject-step", str(step))
   assert summary["found"] == f"{module} (forward)" and summary["ok"]
   assert f"step {step}: skipped" in stdout
+  # Before training: the hardware notice and an estimate, as every example.
+  assert "bf16: " in stdout and "Estimated training time here" in stdout
 
 
 SCRIPTS = ["train_digits.py", "train_char_lm.py", "autocast_plain_jax.py",
@@ -157,6 +159,8 @@ def test_help_answers_before_jax_is_imported(script, tmp_path):
                        env=_without_jax(tmp_path))
   assert out.returncode == 0, out.stderr
   assert "--steps" in out.stdout and "--seed" in out.stdout
+  # Defaults are shown, so the smallest settings need no reading of the source.
+  assert re.search(r"--steps STEPS\s+.*\(default: \d+\)", " ".join(out.stdout.split()))
   # Every option says what it does.
   # Every option says what it does: argparse puts the help on the option's line
   # or, after a long option, indented on the next.
@@ -166,6 +170,28 @@ def test_help_answers_before_jax_is_imported(script, tmp_path):
   undocumented = [line for line, after in options
                   if len(line.split()) <= 2 and not after.startswith(" " * 8)]
   assert options and not undocumented, undocumented
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_missing_extra_is_named_before_anything_runs(script):
+  # `python -S`: no site-packages, so none of the examples extra is there (nor
+  # JAX: the check comes before JAX is imported).
+  out = subprocess.run([sys.executable, "-S", str(ROOT / "examples" / script),
+                        "--steps", "1"], capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0
+  assert 'pip install -e ".[examples]"' in out.stderr, out.stderr[-2000:]
+  assert "tqdm" in out.stderr
+
+
+def test_the_loss_scale_axis_is_labelled_in_powers_of_two():
+  sys.path.insert(0, str(ROOT / "examples"))
+  try:
+    import train_digits
+  finally:
+    sys.path.remove(str(ROOT / "examples"))
+  assert train_digits._power_of_two(16384.0) == "$2^{14}$"
+  assert train_digits._power_of_two(1.0) == "$2^{0}$"
+  assert train_digits._power_of_two(3000.0) == "3000"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
