@@ -146,7 +146,7 @@ CHAR_LM_CORPUS = "bytes of standard-library source to read (90%% train, 10%% val
 
 
 def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str],
-             steps: int, *, what: str = "training") -> dict:
+             steps: int, *, what: str = "training", other_s: float = 0.0) -> dict:
   """Prints the hardware notice and a time estimate; returns the probe's figures.
 
   Args:
@@ -155,6 +155,9 @@ def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str]
     policies: the policies about to run (names of `timings`).
     steps: training steps per policy.
     what: what the estimate covers.
+    other_s: seconds per policy outside the training steps (evaluation,
+      calibration, their compilations), measured on this project's machines;
+      when given, the estimate also says how long the run takes in all.
   """
   import jmp_lite.hardware  # imports JAX: after argument parsing
 
@@ -174,13 +177,26 @@ def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str]
   busy = _busy()
   if busy:
     print(busy)
-  print(f"Estimated {what} time here: about {_duration(total)} "
+  in_all = f", about {_duration(total + other_s * len(policies))} in all" if other_s else ""
+  print(f"Estimated {what} time here: about {_duration(total)}{in_all} "
         f"({len(policies)} {'policy' if len(policies) == 1 else 'policies'} × "
         f"{steps} steps; rough: timings from {REFERENCE_MACHINE}, scaled by "
         f"the matmul speed measured above in "
         f"{time.perf_counter() - started:.1f} s).\n", flush=True)
+  import jax
   return {"hardware": hardware.headline(), "matmul_gflops": measured,
-          "estimated_seconds": round(total, 1)}
+          "estimated_seconds": round(total, 1),
+          "estimated_seconds_in_all": round(total + other_s * len(policies), 1),
+          "jax": jax.__version__,
+          "load_average_start": _load_average()}
+
+
+def _load_average():
+  """The 1-, 5- and 15-minute load averages, or None where unknown."""
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return None
 
 
 def _busy() -> str:
@@ -222,6 +238,8 @@ def _cell(value) -> str:
 def write_summary(out_dir, summary: dict) -> str:
   """Writes ``summary`` to ``out_dir/summary.json`` and prints where it went."""
   os.makedirs(out_dir, exist_ok=True)
+  # Times depend on what else ran: the load at the end beside the start's.
+  summary = {**summary, "load_average_end": _load_average()}
   path = os.path.join(out_dir, "summary.json")
   with open(path, "w") as f:
     json.dump(summary, f, indent=2)

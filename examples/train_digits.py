@@ -232,6 +232,14 @@ def train(name, data, args):
   }
 
 
+def _scale_changes(result) -> list:
+  """``[step, loss scale]`` at the start and wherever the scale changed; the
+  final scale (after the last step) closes the list."""
+  scales = list(result["loss_scales"]) + [result["final_loss_scale"]]
+  return [[0, scales[0]]] + [[i, b] for i, (a, b) in enumerate(zip(scales, scales[1:]), 1)
+                             if a != b]
+
+
 def _power_of_two(value: float) -> str:
   """``2^k`` for a power of two, else the number."""
   k = np.log2(value)
@@ -294,7 +302,10 @@ def plot(results, path):
 def main(argv=None):
   args = parse_args(argv)
   names = args.policies
-  probe = _firstrun.announce(TIMINGS, names, args.steps)
+  # Beside the steps, each policy evaluates, calibrates (f16) and compiles
+  # both: 58 s in all for the default's 39 s of steps on a 2-core
+  # avx512_bf16 EPYC, 6 s a policy (imports and the plot included).
+  probe = _firstrun.announce(TIMINGS, names, args.steps, other_s=6.0)
   data = load_data(args.seed)
   results = {name: train(name, data, args) for name in names}
   os.makedirs(args.out_dir, exist_ok=True)
@@ -311,19 +322,19 @@ def main(argv=None):
        for name, r in results.items()])
   for name, r in results.items():
     if r["skipped_steps"] or len(set(r["loss_scales"])) > 1:
-      changes = [(0, r["loss_scales"][0])] + [
-          (i, b) for i, (a, b) in enumerate(zip(r["loss_scales"], r["loss_scales"][1:]), 1)
-          if a != b]
-      print(f"{name} loss scale by step: " + ", ".join(f"{i}: {v:g}" for i, v in changes))
+      print(f"{name} loss scale by step: "
+            + ", ".join(f"{i}: {v:g}" for i, v in _scale_changes(r)))
   for name, r in results.items():
     if r["telemetry"] is not None:
       _firstrun.print_telemetry(name, *r["telemetry"])
   summary = {
       "example": "train_digits", "steps": args.steps, "batch_size": args.batch_size,
       "seed": args.seed, "lr": args.lr, "backend": jax.default_backend(), **probe,
-      "results": {n: {k: v for k, v in r.items()
-                      if k not in ("losses", "loss_scales", "telemetry",
-                                   "cotangent_underflow")}
+      "results": {n: {**{k: v for k, v in r.items()
+                         if k not in ("losses", "loss_scales", "telemetry",
+                                      "cotangent_underflow")},
+                      "description": POLICIES[n][1],
+                      "loss_scale_changes": _scale_changes(r)}
                   for n, r in results.items()},
       "plot": plot_path,
   }

@@ -35,3 +35,17 @@ def test_readme_python_blocks_run(capsys):
 
 def test_the_first_block_stands_alone():
   assert not _blocks()[0].startswith(CONTINUES)
+
+
+def test_the_generated_tables_match_the_results_they_come_from():
+  """The README's generated blocks are what docs/readme_tables.py renders from
+  the committed results (docs/results/), so a figure cannot drift from its run."""
+  import importlib.util
+
+  path = README.parent / "docs" / "readme_tables.py"
+  spec = importlib.util.spec_from_file_location("readme_tables", path)
+  tables = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tables)
+  text = README.read_text()
+  assert tables.render(text) == text, "run: python docs/readme_tables.py --write"
+  assert text.count(tables.END) == len(tables.TABLES)
