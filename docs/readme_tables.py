@@ -71,7 +71,33 @@ def digits(summary: dict) -> str:
   return "\n".join(lines)
 
 
-TABLES = {"digits_all_policies.json": digits}
+def char_lm(summary: dict) -> str:
+  """The char LM's default run: validation loss against f32's, and speed."""
+  results = summary["results"]
+  load = summary.get("load_average_start")
+  ref = results["f32"]["val_loss"] if "f32" in results else None
+  lines = [
+      f"`python examples/train_char_lm.py` ({summary['steps']} steps, batch "
+      f"{summary['batch_size']} × {summary['context']} bytes, "
+      f"{summary['corpus_bytes'] / 1e6:.0f} MB of the standard library's source), on "
+      f"{summary['hardware']} (JAX {summary['jax']}, load average {load[0]:g} at the "
+      "start):",
+      "",
+      "| policy | validation loss | vs f32 | skipped steps | final loss scale | "
+      "tokens/s | per step | compile |",
+      "|---|---|---|---|---|---|---|---|",
+  ]
+  for name, r in results.items():
+    vs = "–" if ref is None or name == "f32" else f"{(r['val_loss'] / ref - 1) * 100:+.2f}%"
+    scale = "–" if r["final_loss_scale"] == 1 else f"{r['final_loss_scale']:,.0f}"
+    lines.append(
+        f"| {name} (`{r['policy']}`) | {r['val_loss']:.4f} | {vs} | {r['skipped_steps']} | "
+        f"{scale} | {r['tokens_per_second']:,.0f} | {r['step_ms']:.0f} ms | "
+        f"{r['compile_seconds']:.1f} s |")
+  return "\n".join(lines)
+
+
+TABLES = {"digits_all_policies.json": digits, "char_lm.json": char_lm}
 
 
 def render(readme: str) -> str:
