@@ -201,10 +201,10 @@ def _load_average():
 
 def _busy() -> str:
   """A warning when other work shares the cores (load above the core count)."""
-  try:
-    load = os.getloadavg()[0]
-  except OSError:  # not available on this platform
+  loads = _load_average()
+  if loads is None:  # not available on this platform
     return ""
+  load = loads[0]
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   if load <= (cores or 1):
     return ""
