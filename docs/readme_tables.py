@@ -127,11 +127,68 @@ def fp8(digits_run: dict, char_lm_run: dict) -> str:
   return "\n".join(lines)
 
 
+def _header(command: str, run: dict) -> str:
+  load = run.get("load_average_start")
+  return (f"{command}, on {run['hardware']} (JAX {run['jax']}, load average "
+          f"{load[0]:g} at the start):")
+
+
+def _start(result: dict) -> str:
+  """Where a run's loss scale started, and where its first back-offs took it."""
+  changes = result["loss_scale_changes"]
+  first = changes[0][1]
+  step, low = 0, first
+  for i, v in changes[1:]:
+    if v >= low:
+      break
+    step, low = i, v
+  return f"{first:,.0f}" if step == 0 else f"{first:,.0f} → {low:,.0f} by step {step}"
+
+
+def calibration(calibrated: dict, fixed: dict) -> str:
+  """float16 runs started by `calibrate` against runs started at 2**15."""
+  lines = [
+      _header("`python examples/train_digits.py --policies f16,pure_f16`, with and "
+              f"without `--no-calibrate` ({calibrated['steps']} steps)", calibrated),
+      "",
+      "| run | start | skipped steps | test accuracy |",
+      "|---|---|---|---|",
+  ]
+  for name, label in (("f16", "f16"), ("pure_f16", "pure f16")):
+    for run, how in ((fixed, "from 2^15"), (calibrated, "calibrated")):
+      r = run["results"][name]
+      lines.append(f"| {label}, {how} | {_start(r)} | {r['skipped_steps']} | "
+                   f"{r['test_accuracy']:.4f} |")
+  return "\n".join(lines)
+
+
+def underflow(run: dict) -> str:
+  """`DynamicLossScale` against `UnderflowAwareLossScale` on the same f16 run."""
+  lines = [
+      _header("`python examples/train_digits.py --policies f16,f16_underflow` "
+              f"({run['steps']} steps, both calibrated)", run),
+      "",
+      "| run | skipped steps | scale at the end | f16 cotangents below normal "
+      "(last sample) | test accuracy |",
+      "|---|---|---|---|---|",
+  ]
+  for name, label in (("f16", "`DynamicLossScale(period=200)`"),
+                      ("f16_underflow", "`UnderflowAwareLossScale(period=200)`")):
+    r = run["results"][name]
+    step, share = r["cotangent_underflow"][-1]
+    lines.append(f"| {label} | {r['skipped_steps']} | {r['final_loss_scale']:,.0f} | "
+                 f"{share * 100:.0f}% (step {step}) | {r['test_accuracy']:.4f} |")
+  return "\n".join(lines)
+
+
 # Each generated block: the results files it reads, and how it renders them.
 TABLES = {
     "digits": (("digits_all_policies.json",), digits),
     "char_lm": (("char_lm.json",), char_lm),
     "fp8": (("digits_all_policies.json", "char_lm_fp8.json"), fp8),
+    "calibration": (("digits_f16_calibrated.json", "digits_f16_from_2_15.json"),
+                    calibration),
+    "underflow": (("digits_f16_underflow.json",), underflow),
 }
 
 

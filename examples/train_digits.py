@@ -331,8 +331,7 @@ def main(argv=None):
       "example": "train_digits", "steps": args.steps, "batch_size": args.batch_size,
       "seed": args.seed, "lr": args.lr, "backend": jax.default_backend(), **probe,
       "results": {n: {**{k: v for k, v in r.items()
-                         if k not in ("losses", "loss_scales", "telemetry",
-                                      "cotangent_underflow")},
+                         if k not in ("losses", "loss_scales", "telemetry")},
                       "description": POLICIES[n][1],
                       "loss_scale_changes": _scale_changes(r)}
                   for n, r in results.items()},
