@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
+import warnings
 from typing import Any, Callable, Mapping, Union
 
 import jax
@@ -105,6 +107,18 @@ def _scope(eqn) -> str:
   return _instrument.collapse(str(eqn.source_info.name_stack))
 
 
+def _number(name: str, value: Any, *, low: float, high: float = math.inf,
+            what: str) -> float:
+  """``value`` as a float if it is a real number in [low, high], else a clear error."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise TypeError(f"calibrate: {name} must be {what}, got {value!r} "
+                    f"({type(value).__name__})")
+  value = float(value)
+  if not (math.isfinite(value) and low <= value <= high):
+    raise ValueError(f"calibrate: {name} must be {what}, got {value!r}")
+  return value
+
+
 def calibrate(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -138,8 +152,18 @@ def calibrate(
     A `Calibration`.
 
   Raises:
-    ValueError: if ``margin`` is not >= 1, or the float32 pass is not finite
-      (the model overflows float32 itself, or the batch holds NaN/inf).
+    TypeError: if ``margin``, ``underflow_threshold`` or ``max_loss_scale`` is
+      not a real number (NumPy scalars are).
+    ValueError: if ``margin`` or ``max_loss_scale`` is not a finite number
+      >= 1, ``underflow_threshold`` is outside [0, 1], or the float32 pass is
+      not finite (the model overflows float32 itself, or the batch holds
+      NaN/inf).
+
+  Warns:
+    UserWarning: if the largest cotangent exceeds the compute dtype's
+      maximum / ``margin`` even at loss scale 1 (the smallest returned): the
+      half-precision backward pass overflows there at any loss scale. The
+      warning names the scopes.
 
   Example:
     >>> import jax.numpy as jnp
@@ -153,8 +177,11 @@ def calibrate(
     (480.0, 16.0)
   """
   policy = get_policy(policy)
-  if not (isinstance(margin, (int, float)) and margin >= 1 and math.isfinite(margin)):
-    raise ValueError(f"calibrate: margin must be a finite number >= 1, got {margin!r}")
+  margin = _number("margin", margin, low=1.0, what="a finite number >= 1")
+  underflow_threshold = _number("underflow_threshold", underflow_threshold, low=0.0,
+                                high=1.0, what="a number in [0, 1]")
+  max_loss_scale = _number("max_loss_scale", max_loss_scale, low=1.0,
+                           what="a finite number >= 1")
   compute = np.dtype(policy.compute_dtype)
   info = jnp.finfo(compute)
 
@@ -237,5 +264,18 @@ def calibrate(
       for name, (a, m, u, n) in sorted(per_scope.items())}
   keep = tuple(name for name, s in scopes.items()
                if name and (s.overflow or s.underflow > underflow_threshold))
+  if max_ct * scale > float(info.max) / margin:
+    # Even the smallest scale (1) leaves no headroom: the half-precision
+    # backward pass will overflow there, whatever the loss scale does.
+    over = sorted(name or "(outside every scope)" for name, s in scopes.items()
+                  if s.max_cotangent * scale > float(info.max) / margin)
+    warnings.warn(
+        f"calibrate: the largest cotangent, {max_ct:g}, exceeds {compute.name}'s "
+        f"maximum ({float(info.max):g}) / margin ({margin:g}) at loss scale "
+        f"{scale:g}, the smallest this returns: the {compute.name} backward pass "
+        f"overflows there at any loss scale. Scopes: {', '.join(over[:8]) or 'the parameter gradients'}"
+        f"{' ...' if len(over) > 8 else ''}. Compute them in float32 "
+        "(jmp_lite.flax.wrap(rules=...)), or scale the loss down in loss_fn.",
+        UserWarning, stacklevel=2)
   return Calibration(loss_scale=scale, max_cotangent=max_ct, compute_dtype=compute,
                      margin=float(margin), scopes=scopes, keep_float32=keep)

@@ -131,3 +131,40 @@ def test_bad_input_is_named():
     jmp_lite.calibrate(loss, jnp.ones((4, 3)), jnp.ones((2, 4)), policy=F16, margin=0.5)
   with pytest.raises(ValueError, match=r"calibrate: the float32 pass is not finite"):
     jmp_lite.calibrate(loss, jnp.ones((4, 3)), jnp.full((2, 4), jnp.nan), policy=F16)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"margin": 0.5}, ValueError, r"margin must be a finite number >= 1, got 0\.5"),
+    ({"margin": float("inf")}, ValueError, r"margin must be a finite number >= 1, got inf"),
+    ({"margin": "8"}, TypeError, r"margin must be a finite number >= 1, got '8' \(str\)"),
+    ({"margin": True}, TypeError, r"margin must be .* got True \(bool\)"),
+    ({"max_loss_scale": -1}, ValueError, r"max_loss_scale must be a finite number >= 1, got -1\.0"),
+    ({"max_loss_scale": 0}, ValueError, r"max_loss_scale must be a finite number >= 1, got 0\.0"),
+    ({"underflow_threshold": 1.5}, ValueError, r"underflow_threshold must be a number in \[0, 1\], got 1\.5"),
+    ({"underflow_threshold": float("nan")}, ValueError, r"underflow_threshold must be"),
+])
+def test_options_are_checked_with_errors_naming_the_value(kwargs, error, match):
+  loss = lambda w, x: jnp.sum((x @ w) ** 2)
+  with pytest.raises(error, match=match):
+    jmp_lite.calibrate(loss, jnp.ones((4, 3)), jnp.ones((2, 4)), policy=F16, **kwargs)
+
+
+def test_numpy_scalars_are_numbers():
+  loss = lambda w, x: jnp.sum((x @ w) ** 2)
+  a = jmp_lite.calibrate(loss, jnp.full((4, 4), 30.0), jnp.ones((2, 4)), policy=F16,
+                         margin=np.float32(8), max_loss_scale=np.int64(2 ** 24))
+  b = jmp_lite.calibrate(loss, jnp.full((4, 4), 30.0), jnp.ones((2, 4)), policy=F16)
+  assert (a.loss_scale, a.margin) == (b.loss_scale, b.margin) == (16.0, 8.0)
+
+
+def test_a_cotangent_beyond_float16_at_scale_one_is_warned_not_silent():
+  # d/dw sum((x @ w)**2) with x = 1 (2 x 4) and w = 4500: 2 * 2 * 4 * 4500 =
+  # 72,000 (NumPy's oracle below), beyond float16's 65504 at any loss scale.
+  loss = lambda w, x: jnp.sum((x @ w) ** 2)
+  w, x = np.full((4, 4), 4500.0, np.float32), np.ones((2, 4), np.float32)
+  grad = 2 * x.T @ (x @ w)
+  assert grad.max() == 72000.0
+  with pytest.warns(UserWarning, match=r"largest cotangent, 72000, exceeds float16's "
+                    r"maximum \(65504\) / margin \(8\) at loss scale 1"):
+    cal = jmp_lite.calibrate(loss, jnp.asarray(w), jnp.asarray(x), policy=F16)
+  assert cal.loss_scale == 1.0 and cal.max_cotangent == 72000.0
