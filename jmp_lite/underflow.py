@@ -101,6 +101,13 @@ class UnderflowAwareLossScale(ls_lib.DynamicLossScale):
       headroom: the dtype's maximum over the largest of them (None: not
         measured, no such growth).
     """
+    for name, value in (("underflow", underflow), ("headroom", headroom)):
+      if value is not None and np.ndim(value) != 0:
+        # A vector would broadcast the scale into a vector too.
+        raise ValueError(
+            f"UnderflowAwareLossScale.adjust: {name} must be a scalar (one "
+            f"measure for the step), got shape {np.shape(value)}; reduce it "
+            "first (max for underflow and the largest cotangent).")
     new = super().adjust(grads_finite)
     if underflow is None or headroom is None:
       return new
@@ -113,9 +120,11 @@ class UnderflowAwareLossScale(ls_lib.DynamicLossScale):
     boost = (finite & ~grew & (self.counter >= self.underflow_period - 1)
              & (jnp.asarray(underflow, jnp.float32) > self.underflow_threshold)
              & (jnp.asarray(headroom, jnp.float32) >= self.factor * self.margin))
+    # A growth, like the period's, refills the overflows hysteresis forgives.
     return _struct.replace_fields(
         new, loss_scale=jnp.where(boost, grown, scale),
-        counter=jnp.where(boost, 0, new.counter))
+        counter=jnp.where(boost, 0, new.counter),
+        hysteresis_left=jnp.where(boost, self.hysteresis, new.hysteresis_left))
 
 
 _struct.register_state(UnderflowAwareLossScale)

@@ -191,3 +191,34 @@ def test_grows_where_dynamic_loss_scale_waits_and_skips_no_more():
   assert float(aware.loss_scale.loss_scale) >= 2.0 ** 8
   assert int(aware.loss_scale_state.skipped_steps) == 0
   assert under_fixed[-1] > 0.1 and under_aware[-1] < under_fixed[-1] / 2
+
+
+def test_vector_measures_are_refused_not_broadcast_into_the_scale():
+  ls = jmp_lite.UnderflowAwareLossScale(jnp.float32(1024), underflow_period=1)
+  for bad in ({"underflow": jnp.array([0.3, 0.2, 0.1]), "headroom": 1000.0},
+              {"underflow": 0.3, "headroom": np.array([1e3, 1e4])}):
+    with pytest.raises(ValueError, match=r"must be a scalar .* got shape \((3|2),\)"):
+      ls.adjust(jnp.bool_(True), **bad)
+  # Scalars of any kind still work, and the scale stays a scalar.
+  out = ls.adjust(jnp.bool_(True), underflow=np.float32(0.3), headroom=jnp.float32(1e3))
+  assert out.loss_scale.shape == () and float(out.loss_scale) == 2048.0
+
+
+def test_a_growth_on_underflow_refills_hysteresis_as_a_period_growth_does():
+  # hysteresis=2: one overflow is forgiven, then hysteresis_left is 1. Any
+  # growth refills it (DynamicLossScale's period growth, DeepSpeed's
+  # DynamicLossScaler.update_scale: `self.cur_hysteresis = self.delayed_shift`
+  # on growth), so the next single overflow is forgiven again.
+  kw = dict(period=1000, hysteresis=2, underflow_period=1)
+  ls = jmp_lite.UnderflowAwareLossScale(jnp.float32(1024), **kw)
+  ls = ls.adjust(jnp.bool_(False))  # forgiven: scale stays, one left
+  assert float(ls.loss_scale) == 1024.0 and int(ls.hysteresis_left) == 1
+  ls = ls.adjust(jnp.bool_(True), underflow=0.5, headroom=1e4)  # grows on underflow
+  assert float(ls.loss_scale) == 2048.0 and int(ls.hysteresis_left) == 2
+  ls = ls.adjust(jnp.bool_(False))  # forgiven again, as after a period growth
+  assert float(ls.loss_scale) == 2048.0
+  # The same sequence with the period doing the growing: the same state.
+  ref = jmp_lite.DynamicLossScale(jnp.float32(1024), period=1, hysteresis=2)
+  ref = ref.adjust(jnp.bool_(False)).adjust(jnp.bool_(True)).adjust(jnp.bool_(False))
+  assert float(ref.loss_scale) == 2048.0
+  assert int(ref.hysteresis_left) == int(ls.hysteresis_left) == 1
