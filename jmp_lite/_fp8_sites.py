@@ -72,6 +72,41 @@ def _amax(x) -> jax.Array:
   return jnp.max(jnp.abs(_exact.widen(x))).astype(jnp.float32)
 
 
+def _non_finite(x, contract, batch) -> jax.Array:
+  """Whether each (batch..., free...) slice of ``x`` holds a NaN or inf along
+  the contracted dimensions: where a product's outputs are non-finite."""
+  free = [d for d in range(x.ndim) if d not in contract and d not in batch]
+  bad = jnp.transpose(~jnp.isfinite(_exact.widen(x)), (*batch, *free, *contract))
+  return jnp.any(bad, axis=tuple(range(len(batch) + len(free), x.ndim)))
+
+
+def _propagate(out, amax, dimension_numbers, lhs, rhs=None):
+  """``out`` with NaN wherever a non-finite value of ``lhs`` (or ``rhs``) enters.
+
+  Quantising saturates: a finite fp8 product can come from an inf operand.
+  XLA:GPU's fp8 GEMM rewrite folds the clamp of `quantize_by` into cuBLASLt,
+  which saturates inf too, so on an H200 an infinite loss gave finite
+  gradients and the guard applied the step (a CPU skipped it). Marking the
+  outputs from the operands, which are read before quantising, keeps what a
+  float matmul makes non-finite non-finite on every backend. Only when a
+  maximum in ``amax`` is not finite (a `cond`): the common step pays nothing
+  but the maxima it already reads, and finite results keep their bits.
+  """
+  def mark(out):
+    (lc, rc), (lb, rb) = dimension_numbers
+    bad = _non_finite(lhs, lc, lb)  # batch..., lhs free...
+    n_left = bad.ndim - len(lb)
+    n_right = out.ndim - len(lb) - n_left
+    bad = bad.reshape(bad.shape + (1,) * n_right)
+    if rhs is not None:
+      right = _non_finite(rhs, rc, rb)  # batch..., rhs free...
+      bad = bad | right.reshape(right.shape[:len(rb)] + (1,) * n_left
+                                + right.shape[len(rb):])
+    return jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
+
+  return lax.cond(jnp.all(jnp.isfinite(amax)), lambda o: o, mark, out)
+
+
 def _scaled_dot(a, b, dimension_numbers, scale_a, scale_b):
   """``dot_general(a, b)`` of fp8 arrays in float32, times both scales.
 
@@ -147,7 +182,8 @@ def _forward(lhs, rhs, carrier, static, *, need_lhs, need_rhs):
   """The product, and the residuals the wanted cotangents need."""
   amax = jnp.stack([_amax(lhs), _amax(rhs)])
   if static.scaling == "block":
-    return _blocks_fwd(lhs, rhs, amax, static, need_lhs, need_rhs)
+    out, residuals = _blocks_fwd(lhs, rhs, amax, static, need_lhs, need_rhs)
+    return _propagate(out, amax, static.dimension_numbers, lhs, rhs), residuals
   if static.scaling == "current":  # this step's maxima decide (the carrier's are not read)
     factors, scales = _fp8_numerics.current_scaling(amax, static.forward)
   else:
@@ -157,6 +193,7 @@ def _forward(lhs, rhs, carrier, static, *, need_lhs, need_rhs):
   out = _scaled_dot(q_lhs, q_rhs, static.dimension_numbers, scales[0], scales[1])
   # The gradient's scale and factor, for the backward pass (unused when current).
   g_meta = jnp.stack([carrier[2], carrier[ROLES + 2]])
+  out = _propagate(out, amax, static.dimension_numbers, lhs, rhs)
   return out.astype(static.out_dtype), (q_lhs if need_rhs else None,
                                         q_rhs if need_lhs else None, scales, g_meta, amax)
 
@@ -166,7 +203,7 @@ def _matmul_bwd(static, residuals, g):
     g = jnp.zeros(g.shape, g.dtype)
   amax_g = _amax(g)
   if static.scaling == "block":
-    d_lhs, d_rhs, amax = _blocks_bwd(static, residuals, g)
+    d_lhs, d_rhs, amax = _blocks_bwd(static, residuals, g, amax_g)
   else:
     q_lhs, q_rhs, scales, g_meta, amax = residuals
     if static.scaling == "current":
@@ -177,10 +214,10 @@ def _matmul_bwd(static, residuals, g):
     q_g = _fp8_numerics.quantize_by(g, static.backward, factor)
     (dims_l, perm_l), (dims_r, perm_r) = _transposes(
         static.dimension_numbers, static.lhs.ndim, static.rhs.ndim)
-    d_lhs = None if q_rhs is None else lax.transpose(
-        _scaled_dot(q_g, q_rhs, dims_l, scale, scales[1]), perm_l)
-    d_rhs = None if q_lhs is None else lax.transpose(
-        _scaled_dot(q_g, q_lhs, dims_r, scale, scales[0]), perm_r)
+    d_lhs = None if q_rhs is None else lax.transpose(_propagate(
+        _scaled_dot(q_g, q_rhs, dims_l, scale, scales[1]), amax_g, dims_l, g), perm_l)
+    d_rhs = None if q_lhs is None else lax.transpose(_propagate(
+        _scaled_dot(q_g, q_lhs, dims_r, scale, scales[0]), amax_g, dims_r, g), perm_r)
   found = _probes._varying(
       jnp.concatenate([amax, amax_g[None], jnp.zeros((ROLES,), jnp.float32)]), static.axes)
   return (None if d_lhs is None else d_lhs.astype(static.lhs.dtype),
@@ -204,7 +241,7 @@ def _blocks_fwd(lhs, rhs, amax, static, need_lhs, need_rhs):
                amax)
 
 
-def _blocks_bwd(static, residuals, g):
+def _blocks_bwd(static, residuals, g, amax_g):
   lhs_copy, rhs_copy, amax = residuals
   (dims_l, perm_l), (dims_r, perm_r) = _transposes(static.dimension_numbers,
                                                    static.lhs.ndim, static.rhs.ndim)
@@ -212,13 +249,15 @@ def _blocks_bwd(static, residuals, g):
   if rhs_copy is not None:
     g_axis, rhs_axis = _fp8_blocks.axes(dims_l)
     q_g, e_g = _fp8_blocks.quantize(g, g_axis, static.backward)
-    d_lhs = lax.transpose(_fp8_blocks.dot(q_g, e_g, g_axis, *rhs_copy, rhs_axis, dims_l),
-                          perm_l)
+    d_lhs = lax.transpose(_propagate(
+        _fp8_blocks.dot(q_g, e_g, g_axis, *rhs_copy, rhs_axis, dims_l), amax_g, dims_l, g),
+        perm_l)
   if lhs_copy is not None:
     g_axis, lhs_axis = _fp8_blocks.axes(dims_r)
     q_g, e_g = _fp8_blocks.quantize(g, g_axis, static.backward)
-    d_rhs = lax.transpose(_fp8_blocks.dot(q_g, e_g, g_axis, *lhs_copy, lhs_axis, dims_r),
-                          perm_r)
+    d_rhs = lax.transpose(_propagate(
+        _fp8_blocks.dot(q_g, e_g, g_axis, *lhs_copy, lhs_axis, dims_r), amax_g, dims_r, g),
+        perm_r)
   return d_lhs, d_rhs, amax
 
 
