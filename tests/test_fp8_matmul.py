@@ -313,3 +313,33 @@ def test_an_operand_nothing_differentiates_costs_no_residual(scaling):
                            if hasattr(a, "dtype") and a.dtype == E4M3)
   assert fp8(vjp_w) == [x.shape] and fp8(vjp_both) == sorted([x.shape, w.shape])
   np.testing.assert_array_equal(vjp_w(g)[0], vjp_both(g)[1])
+
+
+# (Block scaling quantises through _fp8_blocks, which this does not replace.)
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_non_finite_inputs_stay_non_finite_where_quantising_saturates_them(
+    scaling, monkeypatch):
+  """XLA:GPU folds the quantising clamp into cuBLASLt's fp8 GEMM, which
+  saturates inf as well (an H200 turned an infinite loss into finite
+  gradients). Emulated here by a quantiser that saturates everything: the
+  rows and columns a float matmul makes non-finite are still non-finite."""
+  from jmp_lite import _fp8_numerics
+
+  def saturating(x, dtype, factor):
+    top = np.float32(jnp.finfo(dtype).max)
+    scaled = jnp.asarray(x, jnp.float32) * factor
+    return jnp.clip(jnp.nan_to_num(scaled, posinf=top, neginf=-top), -top, top).astype(dtype)
+
+  monkeypatch.setattr(_fp8_numerics, "quantize_by", saturating)
+  x, w, g = _operands(4)
+  out, _, _, _ = _run(x.at[2, 5].set(jnp.inf), w, g, (1.0, 1.0, 1.0), np.float32,
+                      scaling=scaling)
+  rows = ~np.isfinite(np.asarray(out))
+  # Oracle: a float32 matmul of the same operands.
+  np.testing.assert_array_equal(rows, ~np.isfinite(np.asarray(x.at[2, 5].set(jnp.inf)) @ w))
+  _, dx, dw, _ = _run(x, w, g.at[1, 3].set(-jnp.inf), (1.0, 1.0, 1.0), np.float32,
+                      scaling=scaling)
+  g_bad = np.asarray(g.at[1, 3].set(-jnp.inf))
+  with np.errstate(invalid="ignore"):
+    np.testing.assert_array_equal(~np.isfinite(np.asarray(dx)), ~np.isfinite(g_bad @ w.T))
+    np.testing.assert_array_equal(~np.isfinite(np.asarray(dw)), ~np.isfinite(x.T @ g_bad))
