@@ -43,7 +43,8 @@ def test_the_emulation_removes_a_round_trip_that_xla_cpu_keeps():
     return jnp.isfinite(jnp.sum((x * 1e5).astype(jnp.float16), dtype=jnp.float32))
 
   x = jnp.ones(3)
-  assert not bool(jax.jit(naive)(x))  # XLA:CPU rounds: 1e5 is inf in float16
+  if jax.default_backend() == "cpu":  # XLA:GPU keeps 1e5 itself (measured on an H200)
+    assert not bool(jax.jit(naive)(x))  # XLA:CPU rounds: 1e5 is inf in float16
   assert bool(excess_precision(naive)(x))  # the license allows keeping 1e5
   # ... but not where the rounding is forced, nor in what a program returns.
   assert not bool(excess_precision(jmp_lite.all_finite)((x * 1e5).astype(jnp.float16)))
