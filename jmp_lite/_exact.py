@@ -35,9 +35,14 @@ import numpy as np
 from jmp_lite._dtypes import wide_dtype
 
 # Narrow formats with IEEE semantics (an exponent field of all ones is inf or
-# NaN), where `reduce_precision` rounds as `convert` does. e4m3fn and the
-# other "fn" formats use that exponent for finite values: not rounded here.
+# NaN), where `reduce_precision` rounds as `convert` does.
 _IEEE_NARROW = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float8_e5m2))
+# Finite-only formats (no inf; the all-ones exponent holds finite values, and
+# an overflow or an inf converts to NaN), rounded by `reduce_precision` with
+# one more exponent bit than they have: the same mantissa, the same ties,
+# a range that holds theirs; their own range is then applied (see `round_to`).
+# The "fnuz" formats (no negative zero, another bias) are not among them.
+_FINITE_NARROW = (np.dtype(jnp.float8_e4m3fn),)
 
 
 def pow2(e: jax.Array, dtype) -> jax.Array:
@@ -139,33 +144,40 @@ def round_to(x: jax.Array, dtype) -> jax.Array:
 
   What ``x.astype(dtype).astype(float32)`` means (ties to even, overflow to
   inf, NaN kept, the format's subnormals), in a form XLA must keep (see the
-  module docstring). Formats without IEEE infinities (``float8_e4m3fn``)
-  round through ``astype``, which XLA may elide. ``reduce_precision`` flushes values in the narrow
+  module docstring). ``reduce_precision`` flushes values in the narrow
   format's subnormal range to zero, so there a multiple of the subnormal
   quantum is rounded instead (exact: scaling by powers of two). bfloat16's
   subnormals are float32's, which XLA flushes anyway.
+
+  ``float8_e4m3fn`` has no infinities: it is rounded with one more exponent
+  bit (the same mantissa and ties, a wider range), then what its convert
+  makes NaN (a rounded magnitude above its maximum of 448, inf, NaN) is NaN.
+  Other formats without IEEE infinities ("fnuz") round through ``astype``,
+  which XLA may elide.
   """
   dtype = np.dtype(dtype)
   x = jnp.asarray(x)
-  if dtype not in _IEEE_NARROW:
-    # fp8 "fn" formats and the like: no reduce-precision rounds as their
-    # convert does, so the plain round trip (which XLA may elide).
+  finite_only = dtype in _FINITE_NARROW
+  if dtype not in _IEEE_NARROW and not finite_only:
     return x.astype(dtype).astype(x.dtype)
   info = jnp.finfo(dtype)
-  out = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+  out = jax.lax.reduce_precision(x, exponent_bits=info.nexp + finite_only,
+                                 mantissa_bits=info.nmant)
   tiny32 = float(jnp.finfo(jnp.float32).tiny)
   quantum = float(info.smallest_subnormal)
-  if quantum < tiny32:  # bfloat16
-    return out
-  e = int(np.log2(quantum))  # a power of two: multiples of it below `tiny` round exactly
-  sub = jnp.round(x * pow2(-e, x.dtype)) * pow2(e, x.dtype)  # jnp.round: ties to even
-  return jnp.where(jnp.abs(x) < float(info.smallest_normal), sub, out)
+  if quantum >= tiny32:  # not bfloat16
+    e = int(np.log2(quantum))  # a power of two: multiples of it below `tiny` round exactly
+    sub = jnp.round(x * pow2(-e, x.dtype)) * pow2(e, x.dtype)  # jnp.round: ties to even
+    out = jnp.where(jnp.abs(x) < float(info.smallest_normal), sub, out)
+  if finite_only:
+    out = jnp.where(jnp.abs(out) <= float(info.max), out, jnp.nan)
+  return out
 
 
 def widen(x: jax.Array) -> jax.Array:
   """``x`` in its wide dtype, holding exactly the values ``x`` holds.
 
-  For a bfloat16, float16 or float8_e5m2 ``x``, the values are rounded to
+  For a bfloat16, float16, float8_e5m2 or float8_e4m3fn ``x``, the values are rounded to
   ``x``'s format again in float32: a no-op on the values, but it forces the
   rounding where XLA kept a narrow value in float32 (see the module
   docstring). Any other dtype is cast as it is.
@@ -176,6 +188,6 @@ def widen(x: jax.Array) -> jax.Array:
   """
   x = jnp.asarray(x)
   wide = wide_dtype(x.dtype)
-  if np.dtype(x.dtype) not in _IEEE_NARROW:
+  if np.dtype(x.dtype) not in _IEEE_NARROW + _FINITE_NARROW:
     return x.astype(wide)
   return round_to(x.astype(jnp.float32), x.dtype).astype(wide)

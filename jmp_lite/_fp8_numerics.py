@@ -148,7 +148,13 @@ def quantize_by(x: jax.Array, dtype: Any, factor: jax.Array) -> jax.Array:
   # e4m3fn, which has no inf). Flax's fp8_ops clips them too, which turns an
   # overflowed (scaled) gradient into a finite one: the finiteness check
   # then passes, the step applies garbage and the loss scale never backs off.
-  return jnp.where(jnp.isfinite(x32), jnp.clip(scaled, -top, top), scaled).astype(dtype)
+  scaled = jnp.where(jnp.isfinite(x32), jnp.clip(scaled, -top, top), scaled)
+  # Rounded explicitly before the convert: XLA:GPU removes a convert round
+  # trip (f32 -> fp8 -> f32) wherever the fp8 value is read back in float32
+  # (`dequantize`, an fp8 product it computes in a wider type), and on an
+  # H200 `qdq` then returned its input unquantised. The convert of a value
+  # already in the format is exact, so eliding it changes nothing.
+  return _exact.round_to(scaled, dtype).astype(dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
