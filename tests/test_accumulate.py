@@ -16,8 +16,10 @@ from jmp_lite import _accumulate
 from jmp_lite.auditing import audit
 
 
-def dot_general_f32(lhs, rhs, dims):
-  params = dict(dimension_numbers=dims, precision=None, out_sharding=None)
+def dot_general_f32(lhs, rhs, dims, precision=None):
+  # Parameters as a traced `lax.dot_general` leaves them: the precision is
+  # canonical there (`jax.default_matmul_precision` already applied).
+  params = dict(dimension_numbers=dims, precision=precision, out_sharding=None)
   return _accumulate.bind("dot_general", lhs, rhs, params, jnp.float32)
 
 
@@ -45,9 +47,9 @@ def test_matches_float32_dot_general(lhs_shape, rhs_shape, dims, dtype):
   lhs = jax.random.normal(k1, lhs_shape).astype(dtype)
   rhs = jax.random.normal(k2, rhs_shape).astype(dtype)
   # The float32 reference is float32 arithmetic (a GPU's default is TF32,
-  # which the float32 case would otherwise run in).
-  with jax.default_matmul_precision("highest"):
-    got = jax.jit(dot_general_f32, static_argnums=2)(lhs, rhs, dims)
+  # which the float32 case would otherwise run in, on both sides).
+  highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+  got = jax.jit(dot_general_f32, static_argnums=(2, 3))(lhs, rhs, dims, highest)
   ref = lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), dims,
                         precision=lax.Precision.HIGHEST)
   assert got.dtype == jnp.float32 and got.shape == ref.shape

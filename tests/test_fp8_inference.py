@@ -171,7 +171,11 @@ D_IN, D_HID, D_OUT, N = {dims}
 {mlp}
 model = jmp_lite.flax.wrap(MLP(), "{bf16}", rules={{nn.Dense: "{fp8}"}})
 x = jnp.asarray(np.load(sys.argv[2]))
-params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+# Shapes with this process's device: a checkpoint saved on another topology
+# (trained on a GPU, served on a CPU) restores onto it.
+device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+                      jax.eval_shape(model.init, jax.random.key(0), x)["params"])
 # The serving side knows the model, not the optimizer: the fp8 state's
 # structure comes from fp8.init on a forward pass.
 target = {{"params": params,
@@ -200,7 +204,11 @@ def test_a_checkpoint_of_params_and_fp8_state_serves_in_a_fresh_process(trained,
                          str(tmp_path / "out.npy")], env=env, capture_output=True, text=True,
                         timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
-  want = jax.jit(lambda p, s: MODEL.apply({"params": p}, x, fp8=s))(params, st)
+  # The served output is the one this process computes on the same backend
+  # (the subprocess runs on a CPU; a GPU's bf16 arithmetic differs).
+  cpu = jax.devices("cpu")[0]
+  want = jax.jit(lambda p, s, x: MODEL.apply({"params": p}, x, fp8=s))(
+      *jax.device_put((params, st, x), cpu))
   np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(want))
 
 
