@@ -1,8 +1,9 @@
-"""The README's example tables, generated from the results the examples wrote.
+"""The README's example and GPU tables, generated from the results they come from.
 
 A figure quoted by hand drifts from the run it came from; these tables are
 rendered from the ``summary.json`` an example wrote, committed under
-``docs/results/``, and ``tests/test_readme.py`` fails if the README's copy
+``docs/results/`` (and the GPU table from the bench's JSON under
+``bench/results/gpu/``), and ``tests/test_readme.py`` fails if the README's copy
 differs from what this renders.
 
   python docs/readme_tables.py            # exit status 1 if README.md is stale
@@ -181,6 +182,52 @@ def underflow(run: dict) -> str:
   return "\n".join(lines)
 
 
+def gpu(fp8_run: dict, steps_run: dict, guard_run: dict) -> str:
+  """The bench's GPU sections, against the GPU speed targets."""
+  hw = fp8_run["meta"]["hardware"]
+  v = hw["versions"]
+  f = fp8_run["sections"]["fp8"]
+  s = steps_run["sections"]["steps"]["data"]
+  g = guard_run["sections"]["guard"]["data"]
+  fv = f["data"]["variants"]
+  ratios = f["data"]["ratios"]
+  ms = lambda key: f["data"]["timings"][key]["median_s"] * 1e3
+  step = lambda model, key: s[model]["timings"][key]["median_s"] * 1e3
+  lines = [
+      f"{hw['devices']} (compute capability {hw['compute_capability']}), JAX "
+      f"{v['jax']}, flax {v['flax']}, optax {v['optax']}, default XLA flags; "
+      "`python bench/run.py --only fp8` (then `steps`, `guard`), results in "
+      "`bench/results/gpu/NVIDIA-H200/`:",
+      "",
+      "| target | measured | |",
+      "|---|---|---|",
+      f"| every fp8 layer's matmuls are fp8 GEMMs | {fv['fp8']['fp8_dots']} of "
+      f"{fv['fp8']['given_dots']} dots of the fp8 MLP step | "
+      f"{'met' if fv['fp8']['fp8_dots'] == fv['fp8']['given_dots'] else 'missed'} |",
+      f"| fp8 step ≤ 0.9× the bf16 step (MLP 4 × 4096, batch 2048, Adam, guarded) | "
+      f"{ratios['fp8_vs_bf16']:.2f}× delayed ({ms('fp8'):.2f} against {ms('bf16'):.2f} ms), "
+      f"{ratios['fp8_current_vs_bf16']:.2f}× current, {ratios['fp8_block_vs_bf16']:.2f}× "
+      f"block (emulated MXFP8); compile {fv['fp8']['compile_s']:.0f} s against "
+      f"{fv['bf16']['compile_s']:.1f} s | "
+      f"{'met' if ratios['fp8_vs_bf16'] <= 0.9 else 'missed'} |",
+  ]
+  for model, label in (("mlp", "MLP 4 × 4096, batch 2048"),
+                       ("transformer", "transformer block, d 1024, seq 512")):
+    r = step(model, "jmp_lite_wrap") / step(model, "flax_bf16")
+    lines.append(
+        f"| `wrap` bf16 ≤ 1.01× Flax's own `dtype=bfloat16` step ({label}, plain "
+        f"optax step) | {r:.2f}× ({step(model, 'jmp_lite_wrap'):.2f} against "
+        f"{step(model, 'flax_bf16'):.2f} ms; hand-written bf16 with float32 "
+        f"accumulation {step(model, 'hand_bf16_vjp'):.2f} ms) | "
+        f"{'met' if r <= 1.01 else 'missed'} |")
+  ratios_g = {k: g[k]["ratio"] for k in ("float32", "bfloat16")}
+  lines.append(
+      f"| guarded Adam update ≤ 1.15× the gradients-only one (256 M parameters, "
+      f"100 leaves) | {ratios_g['float32']:.2f}× float32, {ratios_g['bfloat16']:.2f}× "
+      f"bfloat16 | {'met' if max(ratios_g.values()) <= 1.15 else 'missed'} |")
+  return "\n".join(lines)
+
+
 # Each generated block: the results files it reads, and how it renders them.
 TABLES = {
     "digits": (("digits_all_policies.json",), digits),
@@ -189,11 +236,17 @@ TABLES = {
     "calibration": (("digits_f16_calibrated.json", "digits_f16_from_2_15.json"),
                     calibration),
     "underflow": (("digits_f16_underflow.json",), underflow),
+    "gpu": (tuple(f"../../bench/results/gpu/NVIDIA-H200/{n}.json"
+                  for n in ("fp8", "steps", "guard")), gpu),
 }
 
 
+def _path(name: str) -> pathlib.Path:
+  return (RESULTS / name).resolve()
+
+
 def _begin(files) -> str:
-  return BEGIN.format(" and ".join(f"docs/results/{f}" for f in files))
+  return BEGIN.format(" and ".join(str(_path(f).relative_to(ROOT)) for f in files))
 
 
 def render(readme: str) -> str:
@@ -203,7 +256,7 @@ def render(readme: str) -> str:
     pattern = re.compile(re.escape(begin) + r"\n.*?" + re.escape(END), re.S)
     if not pattern.search(readme):
       raise ValueError(f"README.md has no generated block {name!r} ({begin})")
-    runs = [json.loads((RESULTS / f).read_text()) for f in files]
+    runs = [json.loads(_path(f).read_text()) for f in files]
     readme = pattern.sub(lambda _: f"{begin}\n{fn(*runs)}\n{END}", readme)
   return readme
 
