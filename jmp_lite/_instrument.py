@@ -49,7 +49,7 @@ class Point:
   offset: int
   path: str
   dtype: str
-  tinies: tuple[float, ...]
+  tinies: _probes.Thresholds
   view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
   recipe: Optional[tuple[str, str]] = None  # an fp8 matmul site's formats
   scaling: str = "delayed"  # an fp8 matmul site's: "delayed" or "current"
@@ -58,7 +58,7 @@ class Point:
   def width(self) -> int:
     if self.recipe is not None:
       return _fp8_sites.WIDTH
-    return _probes.width(len(self.tinies))
+    return _probes.width(len(self.tinies.tinies))
 
 
 @dataclasses.dataclass

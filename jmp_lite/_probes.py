@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +32,23 @@ from jmp_lite._dtypes import is_floating
 
 TAP_PREFIX = "jmp_lite_tap_"
 # Per measured value: largest finite |x|, non-finite count, non-zero finite
-# count, then per dtype the count of non-zero values below its smallest
-# normal (subnormal there, or flushed to zero).
-BASE_STATS = 3
+# count, the count in the upper bin (|x| at or above `UPPER_BIN_EDGE` of the
+# dtype's maximum, or not finite), the count of elements, then per dtype the
+# count of non-zero values below its smallest normal (subnormal there, or
+# flushed to zero).
+BASE_STATS = 5
+UPPER, COUNT = 3, 4  # the columns of the upper bin and of the elements
+# Graphcore's automatic loss scaling puts one histogram bin edge at this
+# fraction of the dtype's maximum (PopART's AutomaticLossScalingSettings
+# binEdgeLocation default, 0.0625): `jmp_lite.AutomaticLossScale` reads the
+# proportion of cotangents above it.
+UPPER_BIN_EDGE = 2.0 ** -4
+
+
+class Thresholds(NamedTuple):
+  """A probed value's thresholds (static: part of the probe's definition)."""
+  upper: float  # the upper bin's edge: `UPPER_BIN_EDGE` of the dtype's maximum
+  tinies: tuple[float, ...]  # smallest normals: the dtype's, then each what-if's
 
 
 def width(n_dtypes: int) -> int:
@@ -109,14 +123,17 @@ def tap_index(eqn) -> Optional[int]:
   return int(name[len(TAP_PREFIX):])
 
 
-def thresholds(dtype, what_if: Sequence[Any]) -> tuple[float, ...]:
-  """Smallest normals of ``dtype`` itself and of each ``what_if`` dtype."""
-  return tuple(float(jnp.finfo(d).smallest_normal)
-               for d in (dtype, *what_if))
+def thresholds(dtype, what_if: Sequence[Any]) -> Thresholds:
+  """The upper bin's edge in ``dtype``, and the smallest normals of ``dtype``
+  itself and of each ``what_if`` dtype."""
+  return Thresholds(
+      upper=float(jnp.finfo(dtype).max) * UPPER_BIN_EDGE,
+      tinies=tuple(float(jnp.finfo(d).smallest_normal) for d in (dtype, *what_if)))
 
 
-def statistics(x: jax.Array, tinies: tuple[float, ...], view=None) -> jax.Array:
-  """``[max finite |x|, #non-finite, #non-zero finite, #below each tiny]``.
+def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
+  """``[max finite |x|, #non-finite, #non-zero finite, #upper bin, #elements,
+  #below each tiny]``.
 
   Of ``x`` cast to ``view`` first, if given.
   """
@@ -129,12 +146,13 @@ def statistics(x: jax.Array, tinies: tuple[float, ...], view=None) -> jax.Array:
   a = jnp.where(finite, a, 0.0)
   nonzero = a > 0
   count = lambda m: jnp.sum(m, dtype=jnp.int32).astype(jnp.float32)
-  out = [jnp.max(a, initial=0.0), count(~finite), count(nonzero)]
-  out += [count(nonzero & (a < t)) for t in tinies]
+  out = [jnp.max(a, initial=0.0), count(~finite), count(nonzero),
+         count(~finite | (a >= th.upper)), jnp.float32(a.size)]
+  out += [count(nonzero & (a < t)) for t in th.tinies]
   return jnp.stack(out)
 
 
-def probe(x: jax.Array, carrier: jax.Array, tinies: tuple[float, ...],
+def probe(x: jax.Array, carrier: jax.Array, tinies: Thresholds,
           gate: Optional[jax.Array] = None, view=None) -> jax.Array:
   """``x``, with its statistics and its cotangent's in ``carrier``'s cotangent.
 
@@ -163,7 +181,7 @@ def _measure(x, gate, tinies, view, gated):
     return statistics(x, tinies, view)
 
   def skip(v):
-    zeros = jnp.zeros(BASE_STATS + len(tinies), jnp.float32)
+    zeros = jnp.zeros(BASE_STATS + len(tinies.tinies), jnp.float32)
     return _varying(zeros, tuple(sorted(_replicas.varying_axes(v))))
 
   return jax.lax.cond(gate > 0, lambda v: statistics(v, tinies, view), skip, x)

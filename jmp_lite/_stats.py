@@ -68,6 +68,7 @@ def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
   # Over every cotangent held in a 16-bit or narrower float: what an
   # underflow-aware loss scale reads.
   under, nonzero = jnp.float32(0), jnp.float32(0)
+  upper, count = jnp.float32(0), jnp.float32(0)
   headroom = jnp.float32(jnp.inf)
   for key, (dtype, arr) in merged.items():
     half = arr.shape[-1] // 2
@@ -89,13 +90,16 @@ def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
       back = arr[..., half:]
       under += jnp.sum(back[..., _probes.BASE_STATS])
       nonzero += jnp.sum(back[..., 2])
+      upper += jnp.sum(back[..., _probes.UPPER])
+      count += jnp.sum(back[..., _probes.COUNT])
       top = jnp.max(back[..., 0])
       headroom = jnp.minimum(headroom, jnp.where(
           top > 0, float(jnp.finfo(dtype).max) / top, jnp.inf))
   return telemetry_lib.PrecisionStats(
       sampled=jnp.asarray(sampled), modules=modules,
       cotangent_underflow=under / jnp.maximum(nonzero, 1.0),
-      cotangent_headroom=headroom, order=tuple(modules))
+      cotangent_headroom=headroom,
+      cotangent_upper=upper / jnp.maximum(count, 1.0), order=tuple(modules))
 
 
 def gate(telemetry: telemetry_lib.Telemetry, step) -> Optional[jax.Array]:

@@ -160,6 +160,10 @@ class PrecisionStats:
       the dtype's maximum to the largest cotangent (inf if none): how many
       times the loss scale could still grow. `jmp_lite.UnderflowAwareLossScale`
       reads both.
+    cotangent_upper: of all those cotangents (zeros included), the fraction
+      in the upper bin: at or above 1/16 of the dtype's maximum, or not
+      finite (Graphcore's automatic loss scaling histogram, with PopART's
+      default bin edge). `jmp_lite.AutomaticLossScale` reads it.
     order: the paths in the order their values were computed.
   """
 
@@ -167,6 +171,7 @@ class PrecisionStats:
   modules: Mapping[str, ModuleStats]
   cotangent_underflow: jax.Array
   cotangent_headroom: jax.Array
+  cotangent_upper: jax.Array
   # Pytree dicts flatten in sorted key order; this keeps the forward order.
   order: tuple = _struct.static_field(default=())
 
