@@ -60,7 +60,6 @@ from jmp_lite import _replicas
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite.fp8 import Fp8State
-from jmp_lite.underflow import UnderflowAwareLossScale
 from jmp_lite._unscale import apply_updates
 from jmp_lite._dtypes import is_inexact
 from jmp_lite._dtypes import wide_dtype
@@ -90,12 +89,25 @@ for _public in (LossScaleState, NonFinite, find_loss_scale_state, get_loss_scale
   _public.__module__ = __name__
 
 
+# What `with_loss_scale.update` takes for a loss scale that reads telemetry:
+# ``loss_scale_<name>=`` extra arguments, one per name its ``MEASURES`` lists.
+_MEASURE_PREFIX = "loss_scale_"
+
+
 def _adjust(loss_scale, finite, measured):
   """``loss_scale.adjust(finite)``, with telemetry's measures where it reads them."""
-  underflow, headroom = measured
-  if underflow is None or not isinstance(loss_scale, UnderflowAwareLossScale):
+  names = getattr(type(loss_scale), "MEASURES", ())
+  given = {n: measured[n] for n in names if measured.get(n) is not None}
+  if getattr(type(loss_scale), "MEASURES_REQUIRED", False) and len(given) < len(names):
+    missing = [f"{_MEASURE_PREFIX}{n}=" for n in names if n not in given]
+    raise ValueError(
+        f"{type(loss_scale).__name__} steers by what telemetry measures, and this "
+        f"step gave it no {', '.join(missing)}: use TrainState.minimize(..., "
+        "telemetry=jmp_lite.Telemetry()), or pass them to with_loss_scale's update "
+        "from the step's PrecisionStats (cotangent_upper, sampled).")
+  if not given:
     return loss_scale.adjust(finite)
-  return loss_scale.adjust(finite, underflow, headroom)
+  return loss_scale.adjust(finite, **given)
 
 
 def _observe(fp8, amax, axis_name):
@@ -307,7 +319,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
         stalled=jnp.zeros((), jnp.int32),
     )
 
-  def step(grads, state, params, extra_args, scale, earlier_ok, measured=(None, None)):
+  def step(grads, state, params, extra_args, scale, earlier_ok, measured=None):
+    measured = {} if measured is None else measured
     info = _unscale.norm_and_factor(grads, scale, clip_norm)
     finite = info.finite & earlier_ok
     if axis_name is not None:
@@ -386,10 +399,10 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     return traced_update(grads, state, params, **extra_args)
 
   def traced_update(grads, state, params=None, **extra_args):
-    # Telemetry's measures for an underflow-aware loss scale: this
+    # Telemetry's measures for a loss scale that reads them (its MEASURES): this
     # transformation's own extra arguments, not the inner optimizer's.
-    measured = (extra_args.pop("loss_scale_underflow", None),
-                extra_args.pop("loss_scale_headroom", None))
+    measured = {k[len(_MEASURE_PREFIX):]: extra_args.pop(k)
+                for k in list(extra_args) if k.startswith(_MEASURE_PREFIX)}
     state = state._replace(fp8=_observe(state.fp8, extra_args.pop("fp8_amax", None),
                                         axis_name))
     scale = state.loss_scale.loss_scale.astype(jnp.float32)

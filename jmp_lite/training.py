@@ -29,7 +29,6 @@ from jmp_lite import optax as jo
 from jmp_lite import telemetry as telemetry_lib
 from jmp_lite.fp8 import Fp8State
 from jmp_lite.policy import Policy, get_policy
-from jmp_lite.underflow import UnderflowAwareLossScale
 
 __all__ = (
     "value_and_grad",
@@ -361,12 +360,15 @@ class TrainState(flax.struct.PyTreeNode):
       grads = distributed.reduce_gradients(grads, self.axis_name, policy=self.policy)
     loss, aux = value if has_aux else (value, None)
     used_scale = self.loss_scale.loss_scale
-    if stats is not None and isinstance(self.loss_scale, UnderflowAwareLossScale):
+    reads = getattr(type(self.loss_scale), "MEASURES", ())
+    if stats is not None and reads:
       # What this step measured of its half-precision cotangents (zero
       # underflow on steps telemetry does not sample), for the loss scale.
-      measured.update(
-          loss_scale_underflow=jnp.where(stats.sampled, stats.cotangent_underflow, 0.0),
-          loss_scale_headroom=stats.cotangent_headroom)
+      offered = dict(
+          underflow=jnp.where(stats.sampled, stats.cotangent_underflow, 0.0),
+          headroom=stats.cotangent_headroom, upper=stats.cotangent_upper,
+          sampled=stats.sampled)
+      measured.update({f"loss_scale_{n}": offered[n] for n in reads})
     new = self._apply(grads, measured)
     info = new.loss_scale_state
     return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,

@@ -1,4 +1,9 @@
-"""A dynamic loss scale that also grows when half-precision cotangents underflow.
+"""Dynamic loss scales that read what precision telemetry measured in the step.
+
+`UnderflowAwareLossScale` grows on measured underflow; `AutomaticLossScale`
+is Graphcore's automatic loss scaling, driven by the proportion of
+cotangents near the top of the range.
+
 
 Every dynamic loss scaler in the field reacts only to overflow: it grows
 blindly every ``period`` steps and backs off when gradients overflow,
@@ -21,16 +26,17 @@ telemetry does not sample they are 0 and infinity: no underflow growth.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _exact
 from jmp_lite import _struct
 from jmp_lite import loss_scale as ls_lib
 
-__all__ = ("UnderflowAwareLossScale",)
+__all__ = ("AutomaticLossScale", "UnderflowAwareLossScale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +76,9 @@ class UnderflowAwareLossScale(ls_lib.DynamicLossScale):
   underflow_threshold: jax.Array = dataclasses.field(default=0.01, kw_only=True)
   margin: jax.Array = dataclasses.field(default=8.0, kw_only=True)
   underflow_period: jax.Array = dataclasses.field(default=50, kw_only=True)
+  # The measures `adjust` reads: `TrainState.minimize` passes them, and
+  # `with_loss_scale.update` takes them as ``loss_scale_<name>=``.
+  MEASURES: ClassVar[tuple] = ("underflow", "headroom")
 
   def __post_init__(self):
     super().__post_init__()
@@ -127,4 +136,115 @@ class UnderflowAwareLossScale(ls_lib.DynamicLossScale):
         hysteresis_left=jnp.where(boost, self.hysteresis, new.hysteresis_left))
 
 
+@dataclasses.dataclass(frozen=True)
+class AutomaticLossScale(ls_lib.DynamicLossScale):
+  """Graphcore's automatic loss scaling: a scale steered by the upper bin.
+
+  Graphcore's rule (graphcore/popart ``LossScaleUpdateOpx::grow`` in
+  ``willow/src/popx/op/lossscaleupdatex.cpp`` at 6dcca75c, and the
+  ``AutomaticLossScalingSettings`` defaults in
+  ``willow/include/popart/sessionoptions.hpp`` at 653bb23a): the gradients' magnitudes are
+  sorted into two bins, split at 1/16 of the dtype's maximum; every
+  ``period`` steps the scale is halved if the upper bin holds more than
+  ``threshold`` of all values, and doubled otherwise::
+
+      new_scale = scale / 2  if upper / (upper + lower) > threshold
+                  scale * 2  otherwise
+
+  So the scale sits just below where the largest values approach the top
+  of the range, whether the gradients are large or tiny, instead of growing
+  blindly until an overflow (`jmp_lite.DynamicLossScale`). The proportion is
+  `jmp_lite.PrecisionStats.cotangent_upper`: the cotangents of the wrapped
+  model's modules held in a 16-bit (or narrower) float, zeros included, an
+  inf or NaN counted in the upper bin. (PopART tracks the outputs of the
+  backward pass's matmuls and convolutions, and puts float16's edge at
+  65535/16; here it is float16's own maximum over 16, 4094.)
+
+  Beyond Graphcore's rule, overflow is still handled as
+  `jmp_lite.DynamicLossScale` does: a non-finite step is skipped by the guard
+  and backs the scale off by ``factor`` (after ``hysteresis`` overflows),
+  and a growth refills the hysteresis. A step telemetry did not sample
+  (``Telemetry(every=n)``) keeps the scale. Scales stay within
+  ``[min_loss_scale, max_loss_scale]``.
+
+  The fields of `jmp_lite.DynamicLossScale` mean the same here, with
+  ``period`` the steps between decisions (PopART's ``updatePeriod``, default 1)
+  and ``factor`` the change (2, as PopART's).
+
+  Args:
+    threshold: the proportion of values in the upper bin above which the
+      scale shrinks (PopART's ``thresholdUpperCountProportion``, default
+      1e-7), in ``[0, 1]``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jmp_lite
+    >>> ls = jmp_lite.AutomaticLossScale(jnp.float32(1024))
+    >>> # One value in 10,000 near the top: above 1e-7, so shrink.
+    >>> float(ls.adjust(jnp.bool_(True), upper=1e-4).loss_scale)
+    512.0
+    >>> float(ls.adjust(jnp.bool_(True), upper=0.0).loss_scale)  # none: grow
+    2048.0
+  """
+
+  period: jax.Array = 1
+  threshold: jax.Array = dataclasses.field(default=1e-7, kw_only=True)
+  MEASURES: ClassVar[tuple] = ("upper", "sampled")
+  # Without them it would never grow: the guarded step refuses to run.
+  MEASURES_REQUIRED: ClassVar[bool] = True
+
+  def __post_init__(self):
+    super().__post_init__()
+    threshold, t = _struct.as_scalar(self.threshold, jnp.float32, "threshold")
+    if t is not None and not 0 <= t <= 1:
+      raise ValueError(f"AutomaticLossScale.threshold must be in [0, 1], got "
+                       f"{self.threshold!r}")
+    object.__setattr__(self, "threshold", threshold)
+
+  def adjust(self, grads_finite: jax.Array, upper: Optional[jax.Array] = None,
+             sampled: jax.Array = True) -> "AutomaticLossScale":
+    """The next state.
+
+    Args:
+      grads_finite: whether this step's gradients were finite.
+      upper: the measured proportion of cotangents in the upper bin
+        (`jmp_lite.PrecisionStats.cotangent_upper`); None: not measured.
+      sampled: whether telemetry measured this step (``PrecisionStats.sampled``).
+
+    A finite step that was not measured keeps the scale and the counter; a
+    non-finite one backs off as `jmp_lite.DynamicLossScale` does.
+    """
+    if upper is not None and np.ndim(upper) != 0:
+      raise ValueError(
+          "AutomaticLossScale.adjust: upper must be a scalar (one proportion "
+          f"for the step), got shape {np.shape(upper)}")
+    # Checks the flag, and on a non-finite step is the next state:
+    # DynamicLossScale's back-off with hysteresis.
+    backed = super().adjust(grads_finite)
+    finite = jnp.asarray(grads_finite, jnp.bool_)
+    measured = jnp.asarray(sampled, jnp.bool_) & (upper is not None)
+    proportion = jnp.asarray(0.0 if upper is None else upper, jnp.float32)
+    due = self.counter >= self.period - 1
+    decide = measured & due
+    shrink = proportion > self.threshold
+    scale = self.loss_scale.astype(jnp.float32)
+    grown = scale * self.factor
+    grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), scale)
+    # The exact division DynamicLossScale backs off with, without its
+    # hysteresis: a crowded upper bin is not an overflow.
+    shrunk = jnp.maximum(jnp.maximum(self.min_loss_scale, _exact.divide(scale, self.factor)),
+                         jnp.float32(np.finfo(np.float32).tiny))
+    kept = jnp.where(decide, jnp.where(shrink, shrunk, grown), scale)
+    grew = decide & ~shrink
+    counter = jnp.where(measured, jnp.where(due, 0, self.counter + 1), self.counter)
+    left = jnp.where(grew | self.consecutive_hysteresis, self.hysteresis,
+                     self.hysteresis_left)
+    return _struct.replace_fields(
+        self,
+        loss_scale=jnp.where(finite, kept, backed.loss_scale),
+        counter=jnp.where(finite, counter, backed.counter),
+        hysteresis_left=jnp.where(finite, left, backed.hysteresis_left))
+
+
 _struct.register_state(UnderflowAwareLossScale)
+_struct.register_state(AutomaticLossScale)

@@ -167,7 +167,7 @@ PUBLIC_MODULES = {
                 "initialize_worker", "report_result"},
     "telemetry": {"Telemetry", "PrecisionStats", "ModuleStats", "tap"},
     "training": {"value_and_grad", "StepInfo", "TrainState"},
-    "underflow": {"UnderflowAwareLossScale"},
+    "underflow": {"AutomaticLossScale", "UnderflowAwareLossScale"},
 }
 
 
