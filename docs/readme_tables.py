@@ -163,22 +163,39 @@ def calibration(calibrated: dict, fixed: dict) -> str:
   return "\n".join(lines)
 
 
+_LOSS_SCALES = (
+    ("f16", "`DynamicLossScale(period=200)`: grows blindly (jmp, PyTorch, Flax)"),
+    ("f16_underflow", "`UnderflowAwareLossScale(period=200)`: also grows on underflow"),
+    ("f16_als", "`AutomaticLossScale()`: Graphcore's rule (PopART)"),
+)
+
+
 def underflow(run: dict) -> str:
-  """`DynamicLossScale` against `UnderflowAwareLossScale` on the same f16 run."""
+  """The loss scales side by side on the same f16 run."""
+  names = [n for n, _ in _LOSS_SCALES if n in run["results"]]
   lines = [
-      _header("`python examples/train_digits.py --policies f16,f16_underflow` "
-              f"({run['steps']} steps, both calibrated)", run),
+      _header(f"`python examples/train_digits.py --policies {','.join(names)}` "
+              f"({run['steps']} steps, each calibrated)", run),
       "",
-      "| run | skipped steps | scale at the end | f16 cotangents below normal "
-      "(last sample) | test accuracy |",
-      "|---|---|---|---|---|",
+      "| loss scale | skipped steps | scale at the end | range after step 100 | f16 "
+      "cotangents below normal (mean of the samples after step 300) | per step | "
+      "test accuracy |",
+      "|---|---|---|---|---|---|---|",
   ]
-  for name, label in (("f16", "`DynamicLossScale(period=200)`"),
-                      ("f16_underflow", "`UnderflowAwareLossScale(period=200)`")):
+  for name, label in _LOSS_SCALES:
+    if name not in run["results"]:
+      continue
     r = run["results"][name]
-    step, share = r["cotangent_underflow"][-1]
-    lines.append(f"| {label} | {r['skipped_steps']} | {r['final_loss_scale']:,.0f} | "
-                 f"{share * 100:.0f}% (step {step}) | {r['test_accuracy']:.4f} |")
+    changes = r["loss_scale_changes"]  # [step, scale] where the scale changed
+    at_100 = [v for step, v in changes if step <= 100][-1]
+    late = [at_100] + [v for step, v in changes if step > 100]
+    shares = [u for s, u in r["cotangent_underflow"] if s > 300]
+    span = (f"{min(late):,.0f}" if min(late) == max(late)
+            else f"{min(late):,.0f}–{max(late):,.0f}")
+    lines.append(
+        f"| {label} | {r['skipped_steps']} | {r['final_loss_scale']:,.0f} | {span} | "
+        f"{100 * sum(shares) / len(shares):.0f}% ({len(shares)} samples) | "
+        f"{r['step_ms']:.1f} ms | {r['test_accuracy']:.4f} |")
   return "\n".join(lines)
 
 
@@ -235,7 +252,7 @@ TABLES = {
     "fp8": (("digits_all_policies.json", "char_lm_fp8.json"), fp8),
     "calibration": (("digits_f16_calibrated.json", "digits_f16_from_2_15.json"),
                     calibration),
-    "underflow": (("digits_f16_underflow.json",), underflow),
+    "underflow": (("digits_f16_loss_scales.json",), underflow),
     "gpu": (tuple(f"../../bench/results/gpu/NVIDIA-H200/{n}.json"
                   for n in ("fp8", "steps", "guard")), gpu),
 }

@@ -106,13 +106,15 @@ def add_precision_arguments(parser, *, telemetry_every: int) -> None:
 UNDERFLOW_EVERY = 10
 
 
-def f16_start(policy, args, f32_loss, params, *batch, underflow_aware=False):
+def f16_start(policy, args, f32_loss, params, *batch, kind="dynamic"):
   """An f16 run's loss scale (calibrated unless --no-calibrate) and telemetry.
 
   Returns ``(loss_scale, calibration or None, telemetry or None)``; for
-  other compute dtypes no scaling and no telemetry. ``underflow_aware``: a
-  `jmp_lite.UnderflowAwareLossScale`, with telemetry every `UNDERFLOW_EVERY`
-  steps to feed it.
+  other compute dtypes no scaling and no telemetry. ``kind``: ``"dynamic"``
+  (`jmp_lite.DynamicLossScale`, period 200), ``"underflow"``
+  (`jmp_lite.UnderflowAwareLossScale`, period 200, with telemetry every
+  `UNDERFLOW_EVERY` steps to feed it) or ``"automatic"``
+  (`jmp_lite.AutomaticLossScale` with its defaults, telemetry every step).
   """
   import jax  # after argument parsing
   import jax.numpy as jnp
@@ -120,16 +122,18 @@ def f16_start(policy, args, f32_loss, params, *batch, underflow_aware=False):
 
   if policy.compute_dtype != jnp.float16:
     return jmp_lite.NoOpLossScale(), None, None
-  every = UNDERFLOW_EVERY if underflow_aware else args.telemetry_every
+  every = {"underflow": UNDERFLOW_EVERY, "automatic": 1}.get(kind, args.telemetry_every)
   telemetry = jmp_lite.Telemetry(every=every) if every > 0 else None
-  make = jmp_lite.UnderflowAwareLossScale if underflow_aware else jmp_lite.DynamicLossScale
+  make = {"dynamic": lambda s: jmp_lite.DynamicLossScale(s, period=200),
+          "underflow": lambda s: jmp_lite.UnderflowAwareLossScale(s, period=200),
+          "automatic": jmp_lite.AutomaticLossScale}[kind]
   if args.no_calibrate:
-    return make(2.0 ** 15, period=200), None, telemetry
+    return make(2.0 ** 15), None, telemetry
   # The start is measured on the first batch (one float32 pass of the
   # unwrapped model) rather than found by skipping steps from 2**15.
   params32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
   calibrated = jmp_lite.calibrate(f32_loss, params32, *batch, policy=policy)
-  return make(calibrated.loss_scale, period=200), calibrated, telemetry
+  return make(calibrated.loss_scale), calibrated, telemetry
 
 
 def print_telemetry(name: str, step: int, stats) -> None:

@@ -8,6 +8,9 @@ same batches, under each policy:
   f16          float32 master params, float16 compute, dynamic loss scaling.
   f16_underflow  ... whose loss scale also grows when telemetry measures
                underflowing cotangents (`jmp_lite.UnderflowAwareLossScale`).
+  f16_als      ... with Graphcore's automatic loss scaling: halved when more
+               than 1e-7 of the cotangents sit in the top 1/16 of the range,
+               doubled otherwise, every step (`jmp_lite.AutomaticLossScale`).
   fp8          bf16 compute, with the Dense layers' matmuls in fp8 (e4m3
                operands, e5m2 gradients, delayed scaling; `jmp_lite.fp8`).
                Emulated on a CPU: it shows accuracy, not speed.
@@ -49,6 +52,7 @@ POLICIES = {
     "bf16": ("p=f32,c=bf16,o=f32", "bf16 compute, f32 master params"),
     "f16": ("p=f32,c=f16,o=f32", "f16 compute, f32 master params, dynamic loss scale"),
     "f16_underflow": ("p=f32,c=f16,o=f32", "f16 with an underflow-aware loss scale"),
+    "f16_als": ("p=f32,c=f16,o=f32", "f16 with Graphcore's automatic loss scaling"),
     "fp8": ("p=f32,c=bf16,o=f32,fp8=hybrid",
             "bf16 compute, Dense matmuls in fp8 with delayed scaling"),
     "fp8_current": ("p=f32,c=bf16,o=f32,fp8=hybrid",
@@ -64,7 +68,7 @@ DEFAULT_POLICIES = "f32,bf16,f16"
 # Seconds to compile and milliseconds per step of each policy with the
 # defaults, on _firstrun.REFERENCE_MACHINE; they feed the time estimate.
 TIMINGS = {"f32": (3.5, 16.7), "bf16": (4.2, 17.5), "f16": (3.7, 15.8),
-           "f16_underflow": (7.0, 17.0), "fp8": (6.0, 20.0),
+           "f16_underflow": (7.0, 17.0), "f16_als": (7.0, 19.0), "fp8": (6.0, 20.0),
            "fp8_current": (6.5, 21.0), "fp8_block": (7.0, 24.0),
            "pure_f16": (4.0, 17.0), "pure_bf16": (4.2, 18.0),
            "pure_bf16_sr": (4.5, 20.0), "pure_bf16_kahan": (4.5, 20.0)}
@@ -169,7 +173,7 @@ def train(name, data, args):
       CNN().apply({"params": p}, x), y).mean()
   loss_scale, calibrated, telemetry = _firstrun.f16_start(
       policy, args, f32_loss, params, x_train[first], y_train[first],
-      underflow_aware=name.endswith("_underflow"))
+      kind={"f16_underflow": "underflow", "f16_als": "automatic"}.get(name, "dynamic"))
   def loss_fn(params, x, y):
     logits = model.apply({"params": params}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
@@ -322,8 +326,10 @@ def main(argv=None):
        for name, r in results.items()])
   for name, r in results.items():
     if r["skipped_steps"] or len(set(r["loss_scales"])) > 1:
-      print(f"{name} loss scale by step: "
-            + ", ".join(f"{i}: {v:g}" for i, v in _scale_changes(r)))
+      changes = [f"{i}: {v:g}" for i, v in _scale_changes(r)]
+      if len(changes) > 14:  # a scale that moves every step (f16_als)
+        changes = changes[:8] + [f"… ({len(changes) - 12} more)"] + changes[-4:]
+      print(f"{name} loss scale by step: " + ", ".join(changes))
   for name, r in results.items():
     if r["telemetry"] is not None:
       _firstrun.print_telemetry(name, *r["telemetry"])
