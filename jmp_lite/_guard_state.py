@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,9 @@ class LossScaleState(NamedTuple):
       observed (``update``'s ``fp8_amax``) are max-reduced over micro-batches
       and replicas and recorded once per step, skipped or not, and the
       gradient histories follow the loss scale when it changes.
+    acc_measures: with ``accumulate_steps > 1`` and a loss scale that reads
+      telemetry (its ``MEASURES``), what the micro-batches of this step
+      measured so far, combined as `combine_measures` says; else None.
   """
 
   loss_scale: ls_lib.LossScale
@@ -69,6 +72,51 @@ class LossScaleState(NamedTuple):
   acc_finite: jax.Array
   fp8: Any = None
   stalled: Any = None
+  acc_measures: Any = None
+
+
+# How a step's micro-batches combine each telemetry measure a loss scale
+# reads: shares are averaged (every micro-batch has the same shapes, so the
+# upper bin's share averages exactly; the underflow share is the mean of
+# the micro-batches' shares), the headroom is the smallest, and a step is
+# sampled if any micro-batch was (they share the step number).
+_COMBINE = {"underflow": "mean", "upper": "mean", "headroom": "min", "sampled": "any"}
+_START = {"mean": 0.0, "min": float("inf"), "any": False}
+
+
+def measures_start(names) -> Optional[dict]:
+  """The empty combination of the measures ``names`` (None if there are none)."""
+  if not names:
+    return None
+  unknown = [n for n in names if n not in _COMBINE]
+  if unknown:
+    raise ValueError(f"with_loss_scale: no rule to combine micro-batches' measures {unknown}")
+  return {n: jnp.asarray(_START[_COMBINE[n]],
+                         jnp.bool_ if _COMBINE[n] == "any" else jnp.float32)
+          for n in names}
+
+
+def combine_measures(acc: dict, measured: dict) -> dict:
+  """``acc`` with one more micro-batch's ``measured`` folded in (sums for means)."""
+  out = dict(acc)
+  for name, value in measured.items():
+    if name not in out or value is None:
+      continue
+    rule = _COMBINE[name]
+    if rule == "mean":
+      out[name] = out[name] + jnp.asarray(value, jnp.float32)
+    elif rule == "min":
+      out[name] = jnp.minimum(out[name], jnp.asarray(value, jnp.float32))
+    else:
+      out[name] = out[name] | jnp.asarray(value, jnp.bool_)
+  return out
+
+
+def finish_measures(acc: dict, given: dict, k: int) -> dict:
+  """The step's measures from ``k`` micro-batches' combination (the names
+  some micro-batch gave, ``given``)."""
+  return {n: v / k if _COMBINE[n] == "mean" else v
+          for n, v in acc.items() if given.get(n) is not None}
 
 
 def _contains_loss_scale_state(tree: Any) -> bool:

@@ -50,6 +50,7 @@ import numpy as np
 import optax
 
 from jmp_lite import _checks
+from jmp_lite import _guard_state
 from jmp_lite._guard_state import LossScaleState
 from jmp_lite._guard_state import NonFinite
 from jmp_lite._guard_state import find_loss_scale_state
@@ -317,6 +318,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
         acc_finite=jnp.array(True),
         fp8=fp8,
         stalled=jnp.zeros((), jnp.int32),
+        acc_measures=None if k == 1 else _guard_state.measures_start(
+            getattr(type(loss_scale), "MEASURES", ())),
     )
 
   def step(grads, state, params, extra_args, scale, earlier_ok, measured=None):
@@ -416,17 +419,25 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     ok = ls_lib.all_finite(summed)
     acc = jax.tree.map(lambda s, a: jnp.where(ok, s, a), summed, state.acc_grads)
     acc_finite = state.acc_finite & ok
+    # The loss scale decides on what every micro-batch measured, not the last.
+    acc_measures = (None if state.acc_measures is None else
+                    _guard_state.combine_measures(state.acc_measures, measured))
+    step_measured = (measured if acc_measures is None else
+                     _guard_state.finish_measures(acc_measures, measured, k))
 
     def emit():
       updates, new_state = step(acc, state, params, extra_args, scale * k, acc_finite,
-                                measured)
+                                step_measured)
       fresh = jax.tree.map(jnp.zeros_like, acc)
-      return updates, new_state._replace(mini_step=jnp.zeros((), jnp.int32),
-                                         acc_grads=fresh, acc_finite=jnp.array(True))
+      return updates, new_state._replace(
+          mini_step=jnp.zeros((), jnp.int32), acc_grads=fresh, acc_finite=jnp.array(True),
+          acc_measures=None if acc_measures is None else _guard_state.measures_start(
+              tuple(acc_measures)))
 
     def wait():
       return _no_op_updates(emit), state._replace(
-          mini_step=state.mini_step + 1, acc_grads=acc, acc_finite=acc_finite)
+          mini_step=state.mini_step + 1, acc_grads=acc, acc_finite=acc_finite,
+          acc_measures=acc_measures)
 
     return jax.lax.cond(state.mini_step == k - 1, emit, wait)
 

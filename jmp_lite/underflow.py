@@ -19,8 +19,12 @@ is both needed and safe. Overflow backs off as before.
 
 `jmp_lite.TrainState.minimize` passes both measures when given a
 ``telemetry``; hand-written steps pass ``info.precision``'s
-``cotangent_underflow`` and ``cotangent_headroom`` to ``adjust``. On steps
-telemetry does not sample they are 0 and infinity: no underflow growth.
+``cotangent_underflow`` and ``cotangent_headroom`` to ``adjust`` (or to
+`jmp_lite.optax.with_loss_scale`'s update as ``loss_scale_underflow=`` and
+``loss_scale_headroom=``). On steps telemetry does not sample they are 0 and
+infinity: no underflow growth. With ``accumulate_steps`` the guard combines
+the micro-batches' measures (the mean share, the smallest headroom) before
+the scale decides.
 """
 
 from __future__ import annotations

@@ -173,3 +173,38 @@ def test_trains_with_a_scale_just_below_the_upper_bin():
   assert EDGE / 4 <= tops[-1] < 2 * EDGE
   for leaf in jax.tree.leaves(state.params):
     assert np.isfinite(np.asarray(leaf)).all()
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: jmp_lite.AutomaticLossScale(jnp.float32(2.0 ** 8)), "upper"),
+    (lambda: jmp_lite.UnderflowAwareLossScale(jnp.float32(2.0 ** 8), underflow_period=1),
+     "underflow"),
+])
+def test_micro_batches_combine_their_measures(make, name):
+  """With accumulate_steps=3 the scale decides on the mean share of the
+  three micro-batches (and the smallest headroom), not on the last one's."""
+  params = {"w": jnp.ones(3)}
+  tx = jmp_lite.optax.with_loss_scale(optax.sgd(0.1), make(), accumulate_steps=3)
+  update = jax.jit(tx.update)
+
+  def run(shares, headrooms=(1e4, 1e4, 1e4)):
+    state = tx.init(params)
+    for share, headroom in zip(shares, headrooms):
+      extra = ({"loss_scale_upper": jnp.float32(share), "loss_scale_sampled": jnp.bool_(True)}
+               if name == "upper" else
+               {"loss_scale_underflow": jnp.float32(share),
+                "loss_scale_headroom": jnp.float32(headroom)})
+      _, state = update(params, state, params, **extra)
+    return float(jmp_lite.optax.get_loss_scale(state).loss_scale)
+
+  if name == "upper":
+    # The last micro-batch saw nothing in the upper bin, the first a lot:
+    # the mean (0.1) is above the threshold, so the scale halves.
+    assert run([0.3, 0.0, 0.0]) == 128.0
+    assert run([0.0, 0.0, 0.0]) == 512.0
+  else:
+    # Underflow in the first micro-batch only: the mean (0.1) is above 1%.
+    assert run([0.3, 0.0, 0.0]) == 512.0
+    assert run([0.0, 0.0, 0.0]) == 256.0
+    # ... but the first micro-batch left no headroom: no growth.
+    assert run([0.3, 0.3, 0.3], headrooms=(2.0, 1e4, 1e4)) == 256.0
