@@ -13,6 +13,11 @@ batch. The same pass says, per scope (a Flax module's path, a
 cotangents would still be subnormal or flushed to zero at that scale: the
 scopes to keep in float32.
 
+Values inside ``jit``, ``remat`` and ``scan`` bodies are measured where they
+are computed (a scanned stack of layers: each scope over all its
+iterations); ``custom_jvp``/``custom_vjp``, ``cond`` and ``while`` bodies at
+their outputs only.
+
 Every intermediate is held at once, so calibrate on one batch of the size
 you train with, not on a larger one.
 """
@@ -102,9 +107,100 @@ class Calibration:
             for path in self.keep_float32 if "/" in path}
 
 
-def _scope(eqn) -> str:
-  """The eqn's name-stack path, with the repeats nested wrappers make collapsed."""
-  return _instrument.collapse(str(eqn.source_info.name_stack))
+def _scope(eqn, outer: str = "") -> str:
+  """The eqn's name-stack path (after ``outer``, its enclosing call's), with
+  the repeats nested wrappers make collapsed."""
+  return _instrument.collapse("/".join(
+      p for p in (outer, str(eqn.source_info.name_stack)) if p))
+
+
+# Calls whose bodies calibrate measures inside (their parameter holding the
+# body): the body runs as written, once. ``scan`` bodies are entered too, a
+# value per iteration. custom_jvp/custom_vjp, cond and while bodies are not
+# (their own rules or branches decide what runs): their outputs are measured.
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+          "core_call": "call_jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
+          "checkpoint": "jaxpr"}
+
+
+def _closed(body):
+  """``(jaxpr, consts)`` of a call's body (a ClosedJaxpr or a Jaxpr)."""
+  return (body.jaxpr, body.consts) if hasattr(body, "jaxpr") else (body, ())
+
+
+def _points(jaxpr, key=(), outer="", lengths=()):
+  """Every floating value computed in ``jaxpr`` and the bodies it enters:
+  ``(key, shape, dtype, scope)``, where ``key`` is the path of equation
+  indices and then the output index, and ``shape`` has a leading axis per
+  enclosing ``scan``."""
+  found = []
+  for i, eqn in enumerate(jaxpr.eqns):
+    here = key + (i,)
+    scope = _scope(eqn, outer)
+    name = eqn.primitive.name
+    if name in _CALLS and _CALLS[name] in eqn.params:
+      found += _points(_closed(eqn.params[_CALLS[name]])[0], here, scope, lengths)
+    elif name == "scan":
+      found += _points(eqn.params["jaxpr"].jaxpr, here, scope,
+                       lengths + (int(eqn.params["length"]),))
+    for j, v in enumerate(eqn.outvars):
+      if _dtypes.is_floating(v.aval):
+        found.append((here + (j,), lengths + tuple(v.aval.shape), v.aval.dtype, scope))
+  return found
+
+
+def _evaluate(jaxpr, consts, args, key, perturb):
+  """``jaxpr`` on ``args`` with ``perturb[k]`` added to the value at each
+  point ``k`` under ``key``; returns the outputs and each point's largest
+  ``|value|`` (over the iterations of the scans it is in)."""
+  seen = {}
+  index = iter(range(len(jaxpr.eqns)))
+
+  def eval_eqn(eqn, invals):
+    here = key + (next(index),)
+    name = eqn.primitive.name
+    if name in _CALLS and _CALLS[name] in eqn.params:
+      body, body_consts = _closed(eqn.params[_CALLS[name]])
+      outs, inner = _evaluate(body, body_consts, invals, here, perturb)
+      seen.update(inner)
+    elif name == "scan":
+      outs, inner = _scan(eqn, invals, here, perturb)
+      seen.update(inner)
+    else:
+      outs = _internals.bind(eqn, invals)
+    single = not eqn.primitive.multiple_results
+    outs = [outs] if single else list(outs)
+    for j in range(len(outs)):
+      k = here + (j,)
+      if k in perturb:
+        outs[j] = outs[j] + perturb[k]
+        seen[k] = (jnp.max(jnp.abs(outs[j])).astype(jnp.float32) if outs[j].size
+                   else jnp.float32(0))
+    return outs[0] if single else outs
+
+  return _internals.eval_jaxpr(jaxpr, consts, args, eval_eqn), seen
+
+
+def _scan(eqn, invals, key, perturb):
+  """A ``scan`` equation, its body evaluated by `_evaluate` per iteration
+  (the perturbations of its points are scanned over with ``xs``)."""
+  p = eqn.params
+  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], \
+      invals[n_consts + n_carry:]
+  inner = [k for k in perturb if len(k) > len(key) + 1 and k[:len(key)] == key]
+  body = p["jaxpr"]
+
+  def step(carry, x):
+    x_now, p_now = x
+    outs, seen = _evaluate(body.jaxpr, body.consts, [*consts, *carry, *x_now], key,
+                           dict(zip(inner, p_now)))
+    return outs[:n_carry], (outs[n_carry:], seen)
+
+  carry, (ys, seen) = jax.lax.scan(step, list(init), (list(xs), [perturb[k] for k in inner]),
+                                   length=p["length"], reverse=p["reverse"],
+                                   unroll=p["unroll"])
+  return [*carry, *ys], {k: jnp.max(v) for k, v in seen.items()}
 
 
 def _number(name: str, value: Any, *, low: float, high: float = math.inf,
@@ -188,35 +284,19 @@ def calibrate(
   fun = lambda p, a, k: loss_fn(p, *a, **k)
   closed = jax.make_jaxpr(fun)(params, args, kwargs)
   jaxpr = closed.jaxpr
-  # Every floating output of every equation gets a zero added to it: the
-  # gradient with respect to that zero is the value's cotangent.
-  points = [(i, j, v.aval) for i, eqn in enumerate(jaxpr.eqns)
-            for j, v in enumerate(eqn.outvars) if _dtypes.is_floating(v.aval)]
-  where = {(i, j): k for k, (i, j, _) in enumerate(points)}
-  zeros = [jnp.zeros(aval.shape, aval.dtype) for _, _, aval in points]
+  # Every floating output of every equation, in the bodies of jit, remat and
+  # scan too, gets a zero added to it: the gradient with respect to that
+  # zero is the value's cotangent.
+  points = _points(jaxpr)
+  zeros = [jnp.zeros(shape, dtype) for _, shape, dtype, _ in points]
   flat_in = jax.tree_util.tree_leaves((params, args, kwargs))
   n_params = len(jax.tree_util.tree_leaves(params))
 
   def run(perturb, diff_in, rest_in):
-    values = [None] * len(points)
-    index = iter(range(len(jaxpr.eqns)))
-
-    def eval_eqn(eqn, invals):
-      i = next(index)
-      outs = _internals.bind(eqn, invals)
-      single = not eqn.primitive.multiple_results
-      outs = [outs] if single else list(outs)
-      for j in range(len(outs)):
-        k = where.get((i, j))
-        if k is not None:
-          outs[j] = outs[j] + perturb[k]
-          values[k] = jnp.max(jnp.abs(outs[j])).astype(jnp.float32) if outs[j].size else \
-              jnp.float32(0)
-      return outs[0] if single else outs
-
-    out = _internals.eval_jaxpr(jaxpr, closed.consts, [*diff_in, *rest_in], eval_eqn)
-    loss = out[0]
-    return loss.astype(jnp.float32), values
+    out, seen = _evaluate(jaxpr, closed.consts, [*diff_in, *rest_in], (),
+                          {k: z for (k, *_), z in zip(points, perturb)})
+    values = [seen[k] for k, *_ in points]
+    return out[0].astype(jnp.float32), values
 
   diff_in, rest_in = flat_in[:n_params], flat_in[n_params:]
   (loss, act_max), (cts, grads) = jax.jit(jax.value_and_grad(run, argnums=(0, 1),
@@ -236,7 +316,7 @@ def calibrate(
   # What a half-precision pass holds: a Flax model's (or named scope's)
   # values and the parameter gradients. Outside every scope (the loss around
   # a model, in the output dtype) only when nothing is scoped.
-  scope_of = [_scope(jaxpr.eqns[i]) for i, _, _ in points]
+  scope_of = [scope for *_, scope in points]
   scoped = [k for k, scope in enumerate(scope_of) if scope]
   half = [cts[k] for k in (scoped or range(len(points)))] + grads
   max_ct = max((float(np.max(np.abs(c))) for c in half if c.size), default=0.0)

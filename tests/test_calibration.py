@@ -168,3 +168,67 @@ def test_a_cotangent_beyond_float16_at_scale_one_is_warned_not_silent():
                     r"maximum \(65504\) / margin \(8\) at loss scale 1"):
     cal = jmp_lite.calibrate(loss, jnp.asarray(w), jnp.asarray(x), policy=F16)
   assert cal.loss_scale == 1.0 and cal.max_cotangent == 72000.0
+
+
+class _Layer(nn.Module):
+  factor: float
+
+  @nn.compact
+  def __call__(self, x, _):
+    return jnp.tanh(nn.Dense(16, name="dense")(x)) * self.factor, None
+
+
+class _Stack(nn.Module):
+  """Four layers as one `nn.scan` (with `nn.remat` inside, as published
+  transformers stack theirs), or unrolled with the same parameters."""
+  scanned: bool
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, name="inp")(x)
+    if self.scanned:
+      layer = nn.remat(_Layer) if self.remat else _Layer
+      stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                      length=4)
+      x, _ = stack(1e4, name="stack")(x, None)
+    else:
+      for i in range(4):
+        x, _ = _Layer(1e4, name=f"layer_{i}")(x, None)
+    return nn.Dense(3, name="out")(x)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_and_remat_bodies_are_measured_as_the_unrolled_model(remat):
+  """A scanned stack's values are measured inside the scan (and its remat):
+  per scope, the maxima over the iterations and the underflow over all of
+  them are the unrolled model's over its four layers; the scale is the
+  same. Before, the stack showed only as its output."""
+  import optax  # pylint: disable=g-import-not-at-top
+  x = jax.random.normal(jax.random.key(0), (8, 5))
+  y = jnp.arange(8) % 3
+  scanned = _Stack(scanned=True, remat=remat)
+  params = scanned.init(jax.random.key(1), x)["params"]
+  unrolled_params = {"inp": params["inp"], "out": params["out"], **{
+      f"layer_{i}": jax.tree.map(lambda a, i=i: a[i], params["stack"]) for i in range(4)}}
+
+  def loss(model):
+    return lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply({"params": p}, x), y).mean()
+
+  got = jmp_lite.calibrate(loss(scanned), params, x, y, policy=F16)
+  want = jmp_lite.calibrate(loss(_Stack(scanned=False)), unrolled_params, x, y, policy=F16)
+  assert got.loss_scale == want.loss_scale
+  np.testing.assert_allclose(got.max_cotangent, want.max_cotangent, rtol=1e-5)
+  for inner in ("dense", ""):
+    mine = got.scopes["_Stack/stack" + (f"/{inner}" if inner else "")]
+    theirs = [want.scopes[f"_Stack/layer_{i}" + (f"/{inner}" if inner else "")]
+              for i in range(4)]
+    np.testing.assert_allclose(mine.max_activation, max(s.max_activation for s in theirs),
+                               rtol=1e-5)
+    np.testing.assert_allclose(mine.max_cotangent, max(s.max_cotangent for s in theirs),
+                               rtol=1e-5)
+    np.testing.assert_allclose(mine.underflow, np.mean([s.underflow for s in theirs]),
+                               atol=0.02)
+  # Activations of 1e4 exceed float16's maximum over the margin: kept in float32.
+  assert "_Stack/stack" in got.keep_float32
