@@ -281,15 +281,26 @@ def calibrate(
   compute = np.dtype(policy.compute_dtype)
   info = jnp.finfo(compute)
 
-  fun = lambda p, a, k: loss_fn(p, *a, **k)
-  closed = jax.make_jaxpr(fun)(params, args, kwargs)
+  # Array leaves of the batch are traced; the others (``train=False``, a
+  # name, None) reach loss_fn as the Python values they are.
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  is_array = [isinstance(v, (jax.Array, np.ndarray, np.generic)) for v in leaves]
+  arrays = [v for v, a in zip(leaves, is_array) if a]
+
+  def fun(p, arrays):
+    it = iter(arrays)
+    a, k = jax.tree_util.tree_unflatten(
+        treedef, [next(it) if arr else v for v, arr in zip(leaves, is_array)])
+    return loss_fn(p, *a, **k)
+
+  closed = jax.make_jaxpr(fun)(params, arrays)
   jaxpr = closed.jaxpr
   # Every floating output of every equation, in the bodies of jit, remat and
   # scan too, gets a zero added to it: the gradient with respect to that
   # zero is the value's cotangent.
   points = _points(jaxpr)
   zeros = [jnp.zeros(shape, dtype) for _, shape, dtype, _ in points]
-  flat_in = jax.tree_util.tree_leaves((params, args, kwargs))
+  flat_in = jax.tree_util.tree_leaves((params, arrays))
   n_params = len(jax.tree_util.tree_leaves(params))
 
   def run(perturb, diff_in, rest_in):

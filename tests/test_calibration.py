@@ -232,3 +232,25 @@ def test_scan_and_remat_bodies_are_measured_as_the_unrolled_model(remat):
                                atol=0.02)
   # Activations of 1e4 exceed float16's maximum over the margin: kept in float32.
   assert "_Stack/stack" in got.keep_float32
+
+
+def test_python_values_in_the_batch_reach_the_loss_as_they_are():
+  """``train=False`` (a Python bool a model branches on) and a name are not
+  traced: before, ``if not train`` raised TracerBoolConversionError."""
+
+  class Dropping(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+      x = nn.Dense(8, name="dense")(x)
+      return nn.Dropout(0.5, deterministic=not train)(x)
+
+  model = Dropping()
+  x = jnp.ones((4, 3))
+  params = model.init(jax.random.key(0), x, train=False)["params"]
+
+  def loss(p, x, *, train, reduction):
+    assert isinstance(train, bool) and reduction == "mean"
+    return jnp.mean(model.apply({"params": p}, x, train=train) ** 2)
+
+  got = jmp_lite.calibrate(loss, params, x, train=False, reduction="mean", policy=F16)
+  assert "Dropping/dense" in got.scopes and got.loss_scale >= 1
