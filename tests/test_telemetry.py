@@ -564,3 +564,43 @@ def test_op_level_autocast_policy_is_measured_and_unchanged():
   h = jnp.tanh((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32))
   np.testing.assert_allclose(float(stats.modules["h"].forward_max),
                              float(jnp.max(jnp.abs(h))), rtol=1e-2)
+
+
+_NEUTRALITY = r"""
+import sys
+import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
+import jmp_lite, jmp_lite.flax
+
+class M(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm()(x)
+    h = h + nn.Dense(16)(h)
+    return nn.Dense(4)(h)
+
+m = jmp_lite.flax.wrap(M(), "p=f32,c=bf16,o=f32")
+x = jax.random.normal(jax.random.key(0), (8, 16)); y = jnp.arange(8) % 4
+params = m.init(jax.random.key(1), x)["params"]
+loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(m.apply({"params": p}, x), y).mean()
+grads = [jax.jit(lambda p: jmp_lite.value_and_grad(loss, telemetry=t)(
+    p, loss_scale=jmp_lite.StaticLossScale(8.0))[1])(params)
+         for t in (None, jmp_lite.Telemetry())]
+same = all(np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, grads)))
+print("SAME" if same else "DIFFERENT")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the measurement is XLA:CPU's")
+def test_telemetry_is_bitwise_neutral_without_excess_precision():
+  """What the README says: under bf16, a probe's extra reads can change how
+  XLA:CPU fuses (and, under its default excess precision, rounds) a sum (the
+  same script with the default flags printed DIFFERENT); without excess
+  precision the steps are bitwise equal."""
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  env = dict(os.environ, XLA_FLAGS="--xla_allow_excess_precision=false",
+             JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-c", _NEUTRALITY], env=env, capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split()[-1] == "SAME"
