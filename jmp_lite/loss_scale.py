@@ -289,6 +289,20 @@ class DynamicLossScale:
   def unscale(self, tree: T) -> T:
     return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
 
+  def _grown(self) -> jax.Array:
+    """The scale times ``factor``, capped at ``max_loss_scale`` (kept if inf)."""
+    scale = self.loss_scale.astype(jnp.float32)
+    grown = scale * self.factor
+    return jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), scale)
+
+  def _shrunk(self) -> jax.Array:
+    """The scale over ``factor``, at least ``min_loss_scale`` and normal."""
+    # Correctly rounded on every backend: XLA:GPU's float32 division is not.
+    return jnp.maximum(jnp.maximum(self.min_loss_scale,
+                                   _exact.divide(self.loss_scale.astype(jnp.float32),
+                                                 self.factor)),
+                       jnp.float32(_F32_TINY))
+
   def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
     """Returns the next state dependent on whether grads are finite."""
     finite = _check_flag(grads_finite, "DynamicLossScale.adjust(grads_finite)")
@@ -297,15 +311,9 @@ class DynamicLossScale:
     _replicas.check_decision(finite, None, "DynamicLossScale.adjust",
                              untracked=False)
     scale = self.loss_scale.astype(jnp.float32)
-    grown = scale * self.factor
-    grown = jnp.where(jnp.isfinite(grown),
-                      jnp.minimum(grown, self.max_loss_scale), scale)
+    grown, shrunk = self._grown(), self._shrunk()
     grow_now = self.counter >= self.period - 1
     back_off = self.hysteresis_left <= 1
-    # Correctly rounded on every backend: XLA:GPU's float32 division is not.
-    shrunk = jnp.maximum(jnp.maximum(self.min_loss_scale,
-                                     _exact.divide(scale, self.factor)),
-                         jnp.float32(_F32_TINY))
     new_scale = jnp.where(finite, jnp.where(grow_now, grown, scale),
                           jnp.where(back_off, shrunk, scale))
     refill = finite & (grow_now | self.consecutive_hysteresis)

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _exact
 from jmp_lite import _struct
 from jmp_lite import loss_scale as ls_lib
 
@@ -232,13 +231,9 @@ class AutomaticLossScale(ls_lib.DynamicLossScale):
     decide = measured & due
     shrink = proportion > self.threshold
     scale = self.loss_scale.astype(jnp.float32)
-    grown = scale * self.factor
-    grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), scale)
-    # The exact division DynamicLossScale backs off with, without its
-    # hysteresis: a crowded upper bin is not an overflow.
-    shrunk = jnp.maximum(jnp.maximum(self.min_loss_scale, _exact.divide(scale, self.factor)),
-                         jnp.float32(np.finfo(np.float32).tiny))
-    kept = jnp.where(decide, jnp.where(shrink, shrunk, grown), scale)
+    # DynamicLossScale's growth and back-off, without its hysteresis: a
+    # crowded upper bin is not an overflow.
+    kept = jnp.where(decide, jnp.where(shrink, self._shrunk(), self._grown()), scale)
     grew = decide & ~shrink
     counter = jnp.where(measured, jnp.where(due, 0, self.counter + 1), self.counter)
     left = jnp.where(grew | self.consecutive_hysteresis, self.hysteresis,
