@@ -16,7 +16,9 @@ scopes to keep in float32.
 Values inside ``jit``, ``remat`` and ``scan`` bodies are measured where they
 are computed (a scanned stack of layers: each scope over all its
 iterations); ``custom_jvp``/``custom_vjp``, ``cond`` and ``while`` bodies at
-their outputs only.
+their outputs only. A value at its dtype's largest magnitude (the
+``jnp.finfo(dtype).min`` attention masks with) is a fill value, not an
+activation, and is not counted.
 
 Every intermediate is held at once, so calibrate on one batch of the size
 you train with, not on a larger one.
@@ -174,11 +176,23 @@ def _evaluate(jaxpr, consts, args, key, perturb):
       k = here + (j,)
       if k in perturb:
         outs[j] = outs[j] + perturb[k]
-        seen[k] = (jnp.max(jnp.abs(outs[j])).astype(jnp.float32) if outs[j].size
-                   else jnp.float32(0))
+        seen[k] = _largest(outs[j])
     return outs[0] if single else outs
 
   return _internals.eval_jaxpr(jaxpr, consts, args, eval_eqn), seen
+
+
+def _largest(x) -> jax.Array:
+  """The largest ``|x|`` below its dtype's maximum (float32).
+
+  A value at the dtype's largest magnitude is a fill value, not an
+  activation: the ``jnp.finfo(dtype).min`` that attention masks with is
+  float32's in this pass and becomes the half dtype's own under the policy.
+  """
+  if not x.size:
+    return jnp.float32(0)
+  a = jnp.abs(x)
+  return jnp.max(jnp.where(a < jnp.finfo(x.dtype).max, a, 0)).astype(jnp.float32)
 
 
 def _scan(eqn, invals, key, perturb):

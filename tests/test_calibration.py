@@ -254,3 +254,25 @@ def test_python_values_in_the_batch_reach_the_loss_as_they_are():
 
   got = jmp_lite.calibrate(loss, params, x, train=False, reduction="mean", policy=F16)
   assert "Dropping/dense" in got.scopes and got.loss_scale >= 1
+
+
+def test_a_mask_fill_value_is_not_an_overflowing_activation():
+  """Flax's attention masks logits with ``jnp.finfo(dtype).min``: float32's
+  lowest in the calibrating pass, float16's own under the policy. A real
+  activation of 1e5 in the same scope still overflows float16."""
+
+  def loss(w, x, big):
+    with jax.named_scope("attention"):
+      logits = x @ w
+      mask = jnp.arange(logits.shape[-1]) < 3
+      logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+      probs = jax.nn.softmax(logits) * big
+    return jnp.sum(probs) * 1e-6  # small cotangents: only the activation is large
+
+  w = jnp.ones((4, 6)) * 0.1
+  x = jnp.ones((2, 4))
+  masked = jmp_lite.calibrate(loss, w, x, 1.0, policy=F16)
+  assert masked.scopes["attention"].max_activation < 10
+  assert masked.keep_float32 == ()
+  blown = jmp_lite.calibrate(loss, w, x, 1e5, policy=F16)
+  assert blown.scopes["attention"].overflow and blown.keep_float32 == ("attention",)
