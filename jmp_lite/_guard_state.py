@@ -75,6 +75,34 @@ class LossScaleState(NamedTuple):
   acc_measures: Any = None
 
 
+# What `with_loss_scale.update` takes for a loss scale that reads telemetry:
+# ``loss_scale_<name>=`` extra arguments, one per name its ``MEASURES`` lists.
+MEASURE_PREFIX = "loss_scale_"
+
+
+def adjust(loss_scale, finite, measured):
+  """``loss_scale.adjust(finite)``, with telemetry's measures where it reads them."""
+  names = getattr(type(loss_scale), "MEASURES", ())
+  given = {n: measured[n] for n in names if measured.get(n) is not None}
+  if getattr(type(loss_scale), "MEASURES_REQUIRED", False) and len(given) < len(names):
+    missing = [f"{MEASURE_PREFIX}{n}=" for n in names if n not in given]
+    raise ValueError(
+        f"{type(loss_scale).__name__} steers by what telemetry measures, and this "
+        f"step gave it no {', '.join(missing)}: use TrainState.minimize(..., "
+        "telemetry=jmp_lite.Telemetry()), or pass them to with_loss_scale's update "
+        "from the step's PrecisionStats (cotangent_upper, sampled).")
+  if not given:
+    return loss_scale.adjust(finite)
+  return loss_scale.adjust(finite, **given)
+
+
+def pop_measures(extra_args: dict) -> dict:
+  """The ``loss_scale_<name>=`` measures, removed from ``extra_args`` (this
+  transformation's own arguments, not the inner optimizer's)."""
+  return {k[len(MEASURE_PREFIX):]: extra_args.pop(k)
+          for k in list(extra_args) if k.startswith(MEASURE_PREFIX)}
+
+
 # How a step's micro-batches combine each telemetry measure a loss scale
 # reads: shares are averaged (every micro-batch has the same shapes, so the
 # upper bin's share averages exactly; the underflow share is the mean of

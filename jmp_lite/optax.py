@@ -90,27 +90,6 @@ for _public in (LossScaleState, NonFinite, find_loss_scale_state, get_loss_scale
   _public.__module__ = __name__
 
 
-# What `with_loss_scale.update` takes for a loss scale that reads telemetry:
-# ``loss_scale_<name>=`` extra arguments, one per name its ``MEASURES`` lists.
-_MEASURE_PREFIX = "loss_scale_"
-
-
-def _adjust(loss_scale, finite, measured):
-  """``loss_scale.adjust(finite)``, with telemetry's measures where it reads them."""
-  names = getattr(type(loss_scale), "MEASURES", ())
-  given = {n: measured[n] for n in names if measured.get(n) is not None}
-  if getattr(type(loss_scale), "MEASURES_REQUIRED", False) and len(given) < len(names):
-    missing = [f"{_MEASURE_PREFIX}{n}=" for n in names if n not in given]
-    raise ValueError(
-        f"{type(loss_scale).__name__} steers by what telemetry measures, and this "
-        f"step gave it no {', '.join(missing)}: use TrainState.minimize(..., "
-        "telemetry=jmp_lite.Telemetry()), or pass them to with_loss_scale's update "
-        "from the step's PrecisionStats (cotangent_upper, sampled).")
-  if not given:
-    return loss_scale.adjust(finite)
-  return loss_scale.adjust(finite, **given)
-
-
 def _observe(fp8, amax, axis_name):
   """This micro-batch's fp8 maxima max-reduced into the state."""
   if (fp8 is None) != (amax is None):
@@ -370,7 +349,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
                                inner_state, state.inner_state)
     dtype = state.grad_norm.dtype
     norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)
-    new_scale = _adjust(state.loss_scale, finite, measured)
+    new_scale = _guard_state.adjust(state.loss_scale, finite, measured)
     new_state = state._replace(
         loss_scale=new_scale,
         fp8=_fp8_step_end(state.fp8, state.loss_scale, new_scale),
@@ -404,8 +383,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
   def traced_update(grads, state, params=None, **extra_args):
     # Telemetry's measures for a loss scale that reads them (its MEASURES): this
     # transformation's own extra arguments, not the inner optimizer's.
-    measured = {k[len(_MEASURE_PREFIX):]: extra_args.pop(k)
-                for k in list(extra_args) if k.startswith(_MEASURE_PREFIX)}
+    measured = _guard_state.pop_measures(extra_args)
     state = state._replace(fp8=_observe(state.fp8, extra_args.pop("fp8_amax", None),
                                         axis_name))
     scale = state.loss_scale.loss_scale.astype(jnp.float32)
