@@ -77,7 +77,8 @@ def quantize(x: jax.Array, axis, dtype) -> tuple[jax.Array, jax.Array]:
   # Rounded explicitly (`_exact.round_to`): the product reads these values
   # back in float32, a convert round trip XLA:GPU removes otherwise (on an
   # H200 the gradient's e5m2 rounding vanished).
-  q = _exact.round_to(scaled, dtype).astype(dtype).reshape(*x32.shape[:axis], blocks * BLOCK, *x32.shape[axis + 1:])
+  q = _exact.round_to(scaled, dtype).astype(dtype).reshape(
+      *x32.shape[:axis], blocks * BLOCK, *x32.shape[axis + 1:])
   q = lax.slice_in_dim(q, 0, n, axis=axis)
   return q, jnp.squeeze(e, axis + 1)
 

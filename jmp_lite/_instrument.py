@@ -49,7 +49,7 @@ class Point:
   offset: int
   path: str
   dtype: str
-  tinies: _probes.Thresholds
+  thresholds: _probes.Thresholds
   view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
   recipe: Optional[tuple[str, str]] = None  # an fp8 matmul site's formats
   scaling: str = "delayed"  # an fp8 matmul site's: "delayed" or "current"
@@ -58,7 +58,7 @@ class Point:
   def width(self) -> int:
     if self.recipe is not None:
       return _fp8_sites.WIDTH
-    return _probes.width(len(self.tinies.tinies))
+    return _probes.width(len(self.thresholds.tinies))
 
 
 @dataclasses.dataclass
@@ -227,7 +227,7 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     for j, p in points:
       outs[j] = _probes.probe(outs[j], carrier[p.offset:p.offset + p.width],
-                              p.tinies, gate, p.view)
+                              p.thresholds, gate, p.view)
     return outs if eqn.primitive.multiple_results else outs[0]
 
   return _internals.eval_jaxpr(jaxpr, consts, args, eval_eqn)

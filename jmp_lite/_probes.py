@@ -152,7 +152,7 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
   return jnp.stack(out)
 
 
-def probe(x: jax.Array, carrier: jax.Array, tinies: Thresholds,
+def probe(x: jax.Array, carrier: jax.Array, th: Thresholds,
           gate: Optional[jax.Array] = None, view=None) -> jax.Array:
   """``x``, with its statistics and its cotangent's in ``carrier``'s cotangent.
 
@@ -166,7 +166,7 @@ def probe(x: jax.Array, carrier: jax.Array, tinies: Thresholds,
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
   gated = gate is not None
-  return _probe(x, carrier, gate if gated else jnp.float32(1), tinies, axes, view,
+  return _probe(x, carrier, gate if gated else jnp.float32(1), th, axes, view,
                 gated)
 
 
@@ -176,32 +176,32 @@ def _varying(stats, axes):
   return jax.lax.pcast(stats, missing, to="varying") if missing else stats
 
 
-def _measure(x, gate, tinies, view, gated):
+def _measure(x, gate, th, view, gated):
   if not gated:
-    return statistics(x, tinies, view)
+    return statistics(x, th, view)
 
   def skip(v):
-    zeros = jnp.zeros(BASE_STATS + len(tinies.tinies), jnp.float32)
+    zeros = jnp.zeros(BASE_STATS + len(th.tinies), jnp.float32)
     return _varying(zeros, tuple(sorted(_replicas.varying_axes(v))))
 
-  return jax.lax.cond(gate > 0, lambda v: statistics(v, tinies, view), skip, x)
+  return jax.lax.cond(gate > 0, lambda v: statistics(v, th, view), skip, x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _probe(x, carrier, gate, tinies, axes, view, gated):
-  del carrier, gate, tinies, axes, view, gated
+def _probe(x, carrier, gate, th, axes, view, gated):
+  del carrier, gate, th, axes, view, gated
   return x
 
 
-def _probe_fwd(x, carrier, gate, tinies, axes, view, gated):
+def _probe_fwd(x, carrier, gate, th, axes, view, gated):
   del carrier, axes
-  return x, (_measure(x, gate, tinies, view, gated), gate)
+  return x, (_measure(x, gate, th, view, gated), gate)
 
 
-def _probe_bwd(tinies, axes, view, gated, res, g):
+def _probe_bwd(th, axes, view, gated, res, g):
   del view
   forward, gate = res
-  stats = jnp.concatenate([forward, _measure(g, gate, tinies, None, gated)])
+  stats = jnp.concatenate([forward, _measure(g, gate, th, None, gated)])
   return g, _varying(stats, axes), jnp.zeros_like(gate)
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmp_lite import _guard_state
 from jmp_lite import _instrument
 from jmp_lite import _replicas
 from jmp_lite import _scaled_grad
@@ -368,7 +369,7 @@ class TrainState(flax.struct.PyTreeNode):
           underflow=jnp.where(stats.sampled, stats.cotangent_underflow, 0.0),
           headroom=stats.cotangent_headroom, upper=stats.cotangent_upper,
           sampled=stats.sampled)
-      measured.update({f"loss_scale_{n}": offered[n] for n in reads})
+      measured.update({_guard_state.MEASURE_PREFIX + n: offered[n] for n in reads})
     new = self._apply(grads, measured)
     info = new.loss_scale_state
     return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,
