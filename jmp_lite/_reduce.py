@@ -15,6 +15,13 @@ groups of 8 against 3.6 s in one and 8.9 s one by one).
 The order in which elements are added differs from a per-array reduction, so
 sums may differ in the last bits (XLA promises no reduction order either);
 maxima, any/all and finiteness are exact.
+
+The partial results of the groups are combined inside a `cond` (`_fenced`).
+A scalar computed outside one is fused by XLA into every computation that
+reads it: a skip decision combined from 50 partial results and read by 400
+per-array selects compiled to 20,000 scalar ops (``all_finite`` +
+``select_tree`` over 400 arrays: 1.9 s to compile, 0.5 s fenced; the same
+pattern written by hand, one partial per array, took 23 s).
 """
 
 from __future__ import annotations
@@ -48,7 +55,27 @@ def _reduce(items, elementwise: Callable, combine: Callable, reduce: Callable, e
   if not parts:
     return empty
   # Scalars: combined as scalars, not stacked and reduced (one op fewer).
-  return functools.reduce(combine, parts)
+  return _fenced(lambda ps: functools.reduce(combine, ps), parts)
+
+
+# Fewer partial results than this are combined in the open: a fence costs a
+# conditional and its branches, more than the few ops XLA would duplicate.
+FENCE_FROM = 4
+
+
+def _fenced(fn: Callable, parts: list):
+  """``fn(parts)``, computed once: inside a `cond` whose branches are both ``fn``.
+
+  XLA does not fuse across a conditional, so consumers read the result
+  instead of recomputing it. The predicate is read from the data (any value
+  would do, both branches being the same) because XLA removes a conditional
+  whose predicate is a constant, and one whose branches only pass their
+  operand through.
+  """
+  if len(parts) < FENCE_FROM:
+    return fn(parts)
+  first = jnp.asarray(jax.tree.leaves(parts[0])[0])
+  return jax.lax.cond(first != jnp.zeros((), first.dtype), fn, fn, parts)
 
 
 def sum_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
