@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -35,13 +36,14 @@ def _casting_class(cls: type) -> type:
   """
 
   def __call__(self, *args, **kwargs):
-    policy, stack = self._jmp_lite_policy, self._jmp_lite_stack
-    caller = stack[-1] if stack else None
+    policy, stack, path = self._jmp_lite_policy, self._jmp_lite_stack, self._jmp_lite_path
+    caller = stack[-1][0] if stack else None
     given = args
     args, kwargs = policy.cast_to_compute((args, kwargs))
-    stack.append(policy)
+    stack.append((policy, path))
     try:
-      with self._jmp_lite_fp8_scope():
+      with jax.named_scope(_scope_name(self, path, stack[-2][1] if len(stack) > 1 else None)), \
+          self._jmp_lite_fp8_scope():
         out = cls.__call__(self, *args, **kwargs)
     finally:
       stack.pop()
@@ -52,6 +54,23 @@ def _casting_class(cls: type) -> type:
   return type(cls.__name__, (cls,), {"__call__": __call__,
                                      "__module__": cls.__module__,
                                      "__qualname__": cls.__qualname__})
+
+
+def _scope_name(module, path: str, outer) -> str:
+  """The name scope a module's call opens: its path from the calling module's.
+
+  Linen modules open one per module (``MLP/dense0``); NNX modules open none,
+  so a trace of an NNX model (what `jmp_lite.calibrate` reads, and XLA's op names)
+  had no module paths. The root opens its class name, as Linen's does, and
+  each module its path relative to the module that called it (``layers/0``
+  for an entry of a list attribute); a module called from outside its
+  parent's call opens its whole path.
+  """
+  if not path:
+    return type(module).__name__
+  if outer and path.startswith(outer + "/"):
+    return path[len(outer) + 1:]
+  return path
 
 
 class NnxWrapper(nnx.Module):

@@ -244,7 +244,9 @@ def calibrate(
   Args:
     loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss
       (or ``(loss, aux)``), computing in float32: the model unwrapped, or
-      wrapped with a float32 policy.
+      wrapped with a float32 policy. An NNX model opens no name scopes of
+      its own: wrapped (``jmp_lite.flax.wrap(model, "p=f32,c=f32,o=f32")``)
+      each module's call opens its path, and the scopes are its modules.
     params: the parameters (differentiated, as in training).
     *args: the rest of ``loss_fn``'s arguments: one training batch.
     policy: the policy to train with; its compute dtype sets the range.

@@ -276,3 +276,63 @@ def test_a_mask_fill_value_is_not_an_overflowing_activation():
   assert masked.keep_float32 == ()
   blown = jmp_lite.calibrate(loss, w, x, 1e5, policy=F16)
   assert blown.scopes["attention"].overflow and blown.keep_float32 == ("attention",)
+
+
+def test_an_nnx_model_is_measured_per_module_like_its_linen_twin():
+  """An NNX model opens no name scopes of its own; through `jmp_lite.flax.wrap`
+  (float32 policy) each module's call opens its path, so calibrate sees the
+  same modules as for the Linen model with the same weights: the same
+  statistics per scope, the same suggestions, and rules that wrap takes."""
+  from flax import nnx
+
+  class NnxScaled(nnx.Module):
+    def __init__(self, din, dout, factor, rngs):
+      self.lin = nnx.Linear(din, dout, rngs=rngs)
+      self.factor = factor
+
+    def __call__(self, x):
+      return self.lin(x) * self.factor
+
+  class NnxMlp(nnx.Module):
+    def __init__(self, big, rngs):
+      self.embed = nnx.Linear(16, 32, rngs=rngs)
+      self.blow_up = NnxScaled(32, 32, big, rngs)
+      self.fade = NnxScaled(32, 32, 1.0, rngs)
+      self.head = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+      x = self.blow_up(jnp.tanh(self.embed(x)))
+      return self.head(self.fade(jnp.tanh(x)))
+
+  model, params, loss, x, y = _setup(big=1e5)
+  linen = jmp_lite.calibrate(loss, params, x, y, policy=F16)
+  twin = NnxMlp(1e5, nnx.Rngs(0))
+  # The Linen weights, in the NNX modules (the same layout: kernel (in, out)).
+  for name, inner in (("embed", None), ("blow_up", "Dense_0"), ("fade", "Dense_0"),
+                      ("head", None)):
+    src = params[name] if inner is None else params[name][inner]
+    dst = getattr(twin, name) if inner is None else getattr(twin, name).lin
+    dst.kernel.set_value(src["kernel"])
+    dst.bias.set_value(src["bias"])
+  wrapped = jmp_lite.flax.wrap(twin, "p=f32,c=f32,o=f32")
+  graphdef, nparams, rest = nnx.split(wrapped, nnx.Param, ...)
+  nloss = lambda p, x, y: jnp.mean(
+      (nnx.merge(graphdef, p, rest)(x) - y) ** 2) * 1e3
+  cal = jmp_lite.calibrate(nloss, nparams, x, y, policy=F16)
+
+  rename = {"Mlp": "NnxMlp", "Dense_0": "lin"}
+  as_nnx = lambda scope: "/".join(rename.get(p, p) for p in scope.split("/"))
+  assert {as_nnx(s) for s in linen.scopes} == set(cal.scopes)
+  for scope, stats in linen.scopes.items():
+    theirs = cal.scopes[as_nnx(scope)]
+    np.testing.assert_allclose(theirs.max_activation, stats.max_activation, rtol=1e-5)
+    np.testing.assert_allclose(theirs.max_cotangent, stats.max_cotangent, rtol=1e-5)
+    assert theirs.overflow == stats.overflow, scope
+  assert cal.loss_scale == linen.loss_scale
+  assert tuple(map(as_nnx, linen.keep_float32)) == cal.keep_float32
+  assert "NnxMlp/blow_up" in cal.keep_float32
+  # The rules name NNX paths that wrap resolves.
+  computes = {path: p.compute_dtype for path, p in jmp_lite.flax.policy_map(
+      jmp_lite.flax.wrap(twin, F16, rules=cal.flax_rules())).items()}
+  assert computes["blow_up"] == computes["blow_up/lin"] == jnp.float32
+  assert computes["head"] == computes["embed"] == jnp.float16
