@@ -18,7 +18,8 @@ public API with their share of the carrier:
 Other higher-order equations (``while``, custom derivatives, ``shard_map``
 nested inside the function) run as written, and marks inside them report
 nothing: ``while`` has no reverse-mode derivative to carry statistics, and a
-custom rule's body is not what its derivative computes.
+custom rule's body is not what its derivative computes. `jmp_lite._unseen`
+warns when fp8 matmuls or telemetry marks sit there.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jmp_lite import _fp8_sites
 from jmp_lite import _internals
 from jmp_lite import _probes
 from jmp_lite import _replicas
+from jmp_lite import _unseen
 from jmp_lite import fp8 as fp8_lib
 from jmp_lite import policy as policy_lib
 
@@ -119,6 +121,9 @@ class _Planner:
           plan.nested[i] = Nested(plan.size, eqn.primitive.name, children, length)
           plan.size += length * sum(c.size for c in children)
         continue
+      if _is_higher_order(eqn):
+        _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
+                     modules=self.mode == "modules", shown=_clean(where))
       if self.mode == "ops" and not _is_higher_order(eqn):
         for j, v in enumerate(eqn.outvars):
           if _dtypes.is_floating(v.aval) and v.aval.size:
