@@ -191,3 +191,14 @@ def widen(x: jax.Array) -> jax.Array:
   if np.dtype(x.dtype) not in _IEEE_NARROW + _FINITE_NARROW:
     return x.astype(wide)
   return round_to(x.astype(jnp.float32), x.dtype).astype(wide)
+
+
+def times_zero(x: jax.Array) -> jax.Array:
+  """``x * 0``, real: 0 where ``x`` is finite, NaN where it is inf or NaN.
+
+  For complex ``x`` both parts count (NaN survives ``real + imag``). Summed,
+  it is NaN exactly when a value is not finite, however large the finite
+  values are (a plain sum can overflow). Read through `widen`.
+  """
+  z = widen(x) * 0
+  return jnp.real(z) + jnp.imag(z) if jnp.iscomplexobj(z) else z

@@ -121,7 +121,7 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   # 1/scale is subnormal for scales above 2**126: unscale in two steps.
   inv = _normal_pair(unscale, dtype)
   sq, zero, top = _reduce.many_of(
-      leaves, lambda g: (_abs2(g, dtype, inv), _times_zero(g), _abs_parts(g, dtype)),
+      leaves, lambda g: (_abs2(g, dtype, inv), _exact.times_zero(g), _abs_parts(g, dtype)),
       ("sum", "sum", "max"), dtype)
   finite = jnp.isfinite(zero)
   if low:
@@ -169,12 +169,6 @@ def _abs_parts(g: jax.Array, dtype) -> jax.Array:
   if jnp.iscomplexobj(x):
     return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x))).astype(dtype)
   return jnp.abs(x).astype(dtype)
-
-
-def _times_zero(g: jax.Array) -> jax.Array:
-  """``g * 0`` in real float32/float64: NaN exactly where ``g`` is inf or NaN."""
-  z = _exact.widen(g) * 0
-  return jnp.real(z) + jnp.imag(z) if jnp.iscomplexobj(z) else z
 
 
 # What the inner optimizer of `with_loss_scale` sees.

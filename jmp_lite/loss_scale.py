@@ -364,20 +364,11 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   leaves = [jnp.asarray(x) if isinstance(x, float) else x
             for x in jax.tree_util.tree_leaves(tree)]
   leaves = [x for x in leaves if is_inexact(x)]
-  finite = jnp.isfinite(_reduce.sum_of(leaves, _times_zero, jnp.float32))
+  finite = jnp.isfinite(_reduce.sum_of(leaves, _exact.times_zero, jnp.float32))
   if axis_name is not None:
     bad = jax.lax.psum((~finite).astype(jnp.int32), axis_name)
     finite = bad == 0
   return finite
-
-
-def _times_zero(x) -> jax.Array:
-  """``x * 0`` (real): 0 where ``x`` is finite, NaN where it is inf or NaN.
-
-  For complex ``x`` both parts count (NaN survives ``real + imag``).
-  """
-  z = _exact.widen(x) * 0
-  return jnp.real(z) + jnp.imag(z) if jnp.iscomplexobj(z) else z
 
 
 def select_tree(pred: jax.Array, a: T, b: T) -> T:
