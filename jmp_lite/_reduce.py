@@ -85,31 +85,11 @@ def sum_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
                  jnp.sum, jnp.zeros((), dtype))
 
 
-_COMBINE = {"sum": operator.add, "max": jnp.maximum}
-_IDENTITY = {"sum": 0.0, "max": -np.inf}
-
-
-def many_of(leaves: Sequence[Any], elementwise: Callable, ops: Sequence[str], dtype) -> tuple:
-  """Several reductions at once: ``elementwise(x)`` gives one array per op.
-
-  ``ops`` names each reduction, ``"sum"`` or ``"max"`` (``-inf`` for no
-  elements; XLA:CPU's max ignores NaN, so use it on finite values only). One
-  variadic reduce per group: the results share one read of each leaf, where
-  separate reductions of the same leaves compile to separate loops on XLA:CPU.
-  """
-  fns = tuple(_COMBINE[op] for op in ops)
-  inits = tuple(jnp.full((), _IDENTITY[op], dtype) for op in ops)
-
-  def combine(a, b):
-    return tuple(f(x, y) for f, x, y in zip(fns, a, b))
-
-  def reduce(parts):
-    if np.ndim(parts[0]) == 0:  # a scalar is its own reduction
-      return parts
-    return tuple(jax.lax.reduce(parts, inits, combine, tuple(range(np.ndim(parts[0])))))
-
-  return _reduce(leaves, lambda x: tuple(e.astype(dtype) for e in elementwise(x)), combine,
-                 reduce, inits)
+def max_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
+  """``max(elementwise(x))`` over every element of every leaf (``-inf`` if none)."""
+  # `initial`: a zero-size leaf (a parameter with a 0 dimension) has no max.
+  return _reduce(leaves, lambda x: elementwise(x).astype(dtype), jnp.maximum,
+                 lambda x: jnp.max(x, initial=-jnp.inf), jnp.full((), -jnp.inf, dtype))
 
 
 def any_of_pairs(pairs: Sequence[tuple[Any, Any]], elementwise: Callable) -> jax.Array:

@@ -96,14 +96,11 @@ class NormInfo(NamedTuple):
 def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   """Finiteness, unscaled global norm and unscale(-and-clip) factor of ``grads``.
 
-  One read of the gradients computes, in one variadic reduction per group of
-  leaves (`jmp_lite._reduce.many_of`): the sum of squares of ``g / scale``,
-  whose root is the norm; the sum of ``g * 0``, NaN exactly when an element
-  is (`jmp_lite.all_finite`'s test, which no finite value fails however
-  large); and the largest ``|g|``. Only when the first sum overflows (a norm
-  beyond the square root of the largest float) does a second pass, in a
-  `cond`, sum the squares of ``g / 2**e``, with ``2**e`` above the largest
-  ``|g|``, so that any finite norm is exact and clipping always works.
+  The common case reads the gradients once: ``sum((g / scale)**2)`` is finite
+  only if every element is. Only when it is not (a NaN or inf, or a norm beyond
+  the square root of the largest float) does a second pass tell the two apart
+  exactly and compute the norm from gradients divided by their largest
+  magnitude, so that any finite norm is exact and clipping always works.
   """
   leaves = [g for g in jax.tree.leaves(grads) if is_scaled(g)]
   low = [g for g in jax.tree.leaves(grads) if is_inexact(g) and not is_scaled(g)]
@@ -120,17 +117,17 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
     return NormInfo(finite, zero, unscale, unscale, _normal_pair(unscale, dtype))
   # 1/scale is subnormal for scales above 2**126: unscale in two steps.
   inv = _normal_pair(unscale, dtype)
-  sq, zero, top = _reduce.many_of(
-      leaves, lambda g: (_abs2(g, dtype, inv), _exact.times_zero(g), _abs_parts(g, dtype)),
-      ("sum", "sum", "max"), dtype)
-  finite = jnp.isfinite(zero)
-  if low:
-    finite = finite & ls_lib.all_finite(low)
+  # One reduction per distinct shape (`_reduce`), not one per leaf.
+  sq = _reduce.sum_of(leaves, lambda g: _abs2(g, dtype, inv), dtype)
 
-  def finish(root, et, slow: bool) -> NormInfo:
+  low_finite = ls_lib.all_finite(low) if low else None
+
+  def finish(finite, root, et, slow: bool) -> NormInfo:
     """The norm and the factors from ``root``; inside the `cond`, so that the
     scalars are computed once: XLA would fuse (and so duplicate) their few
     dozen scalar ops into every per-leaf computation that reads them."""
+    if low_finite is not None:
+      finite = finite & low_finite
     # fast: the norm is `root` (already unscaled); slow: root * 2**et / scale.
     r_m, r_e = _exact.frexp(root / ms if slow else root)
     norm = _exact.ldexp(r_m, r_e + et - es if slow else r_e, dtype)
@@ -149,16 +146,17 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
     # sqrt(sq) is the unscaled norm. The exponent 0 is derived from `sq`
     # rather than a constant so that it varies over shard_map axes as
     # `slow`'s does.
-    return finish(jnp.sqrt(sq), jnp.isnan(sq).astype(jnp.int32), slow=False)
+    return finish(jnp.isfinite(sq), jnp.sqrt(sq), jnp.isnan(sq).astype(jnp.int32),
+                  slow=False)
 
   def slow():
-    # The largest |g| is read only where every element is finite (XLA:CPU's
-    # max ignores NaN).
-    _, et = _exact.frexp(jnp.where(finite & (top > 0), top, 1))  # |g| / 2**et <= 1
+    finite = ls_lib.all_finite(leaves)
+    top = _reduce.max_of(leaves, lambda g: _abs_parts(g, dtype), dtype)
+    top = jnp.where(finite & (top > 0), top, 1)
+    _, et = _exact.frexp(top)  # every |component| / 2**et <= 1
     half = et // 2  # 2**-et in two exact steps, each a normal number
-    pair = (_exact.pow2(-half, dtype), _exact.pow2(half - et, dtype))
-    root = jnp.sqrt(_reduce.sum_of(leaves, lambda g: _abs2(g, dtype, pair), dtype))
-    return finish(root, et, slow=True)
+    root = jnp.sqrt(_scaled_sumsq(leaves, dtype, half, et - half))
+    return finish(finite, root, et, slow=True)
 
   return jax.lax.cond(~jnp.isfinite(sq), slow, fast)
 
@@ -169,6 +167,12 @@ def _abs_parts(g: jax.Array, dtype) -> jax.Array:
   if jnp.iscomplexobj(x):
     return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x))).astype(dtype)
   return jnp.abs(x).astype(dtype)
+
+
+def _scaled_sumsq(leaves, dtype, e1, e2):
+  """``sum(|g * 2**-(e1 + e2)|**2)`` over ``leaves``, each factor a normal power of two."""
+  pair = (_exact.pow2(-e1, dtype), _exact.pow2(-e2, dtype))
+  return _reduce.sum_of(leaves, lambda g: _abs2(g, dtype, pair), dtype)
 
 
 # What the inner optimizer of `with_loss_scale` sees.
