@@ -236,6 +236,33 @@ def test_jit_poisoned_element_of_a_model_sharded_gradient_skips_everywhere():
   assert distributed.is_replicated_everywhere(state.loss_scale)
 
 
+def test_jit_guard_on_sharded_gradients_reduces_with_all_reduce_only():
+  """The guard's norm and checks over gradients, params and state sharded on
+  8 devices compile to all-reduces of scalars, never an all-gather: a
+  reduction XLA's partitioner cannot express as one (a variadic reduce, tried
+  for the norm) makes it gather every device's partial results."""
+  mesh = _mesh((8,), ("fsdp",))
+  put = lambda tree: jax.tree.map(
+      lambda a: jax.device_put(a, NamedSharding(mesh, P("fsdp") if a.ndim else P())), tree)
+  params = put({f"w{i}": jnp.full((64, 8), 0.5) for i in range(12)})
+  grads = put(jax.tree.map(lambda a: a * 3.0, params))
+  tx = jo.with_loss_scale(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0 ** 15),
+                          clip_norm=1.0)
+  opt_state = put(tx.init(params))
+
+  def step(grads, opt_state, params):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  with jax.numpy_dtype_promotion("standard"):  # optax's Adam: b1 ** count
+    compiled = jax.jit(step).lower(grads, opt_state, params).compile()
+    _, new_state = compiled(grads, opt_state, params)
+  text = compiled.as_text()
+  assert text.count("all-reduce(") > 0
+  assert text.count("all-gather(") == 0, re.findall(r".*all-gather\(.*", text)[:3]
+  assert not bool(jo.find_loss_scale_state(new_state).skipped)
+
+
 # ----------------------------------------------------------------- shard_map
 
 
