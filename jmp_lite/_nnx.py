@@ -37,13 +37,13 @@ def _casting_class(cls: type) -> type:
 
   def __call__(self, *args, **kwargs):
     policy, stack, path = self._jmp_lite_policy, self._jmp_lite_stack, self._jmp_lite_path
-    caller = stack[-1][0] if stack else None
+    # The calling module's (policy, path), if a wrapped module called this one.
+    caller, outer = stack[-1] if stack else (None, None)
     given = args
     args, kwargs = policy.cast_to_compute((args, kwargs))
     stack.append((policy, path))
     try:
-      with jax.named_scope(_scope_name(self, path, stack[-2][1] if len(stack) > 1 else None)), \
-          self._jmp_lite_fp8_scope():
+      with jax.named_scope(_scope_name(self, path, outer)), self._jmp_lite_fp8_scope():
         out = cls.__call__(self, *args, **kwargs)
     finally:
       stack.pop()
