@@ -24,10 +24,12 @@ The backward pass keeps the fp8 operands and the scales as its residuals,
 not dequantised copies: a byte per element.
 
 The three scales come in through one float32 ``[6]`` slice of the carrier
-(lhs, rhs, gradient, then the three factors ``1 / scale`` that quantise),
-and each tensor's absolute maximum goes back as the scales' cotangent, in
-the same pass: the site is used once per carrier row, so the cotangent is
-exactly the maximum, never a sum.
+(lhs, rhs, gradient, then the three factors ``1 / scale`` that quantise).
+The operands' absolute maxima are an output of the forward pass (so a site
+no gradient reaches, behind ``stop_gradient``, is measured too), and the
+gradient's goes back as its scale's cotangent, in the same pass: the site is
+used once per carrier row, so the cotangent is exactly the maximum, never a
+sum.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ MARK = "jmp_lite_fp8"  # name scope wrap opens around an fp8 module's call
 def mark(recipe: Optional[str], path: str) -> str:
   """The name scope wrap opens around a module's call when fp8 rules exist.
 
-  The step (`jmp_lite._instrument.Fp8Selection`) reads the innermost one of a
+  The step (`jmp_lite._plan.Fp8Selection`) reads the innermost one of a
   matmul: its recipe (or ``off``) and the module path that names the site.
   """
   return f"{MARK}={recipe or 'off'}@{path.replace('/', '.')}"
@@ -165,24 +167,24 @@ class _Static(NamedTuple):
   scaling: str
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _matmul(lhs, rhs, carrier, static):
-  return _forward(lhs, rhs, carrier, static, need_lhs=False, need_rhs=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _matmul(lhs, rhs, carrier, amax, static):
+  return _forward(lhs, rhs, carrier, amax, static, need_lhs=False, need_rhs=False)[0]
 
 
-def _matmul_fwd(lhs, rhs, carrier, static):
+def _matmul_fwd(lhs, rhs, carrier, amax, static):
   # Symbolic zeros: an operand nothing differentiates (a model's input, a
   # frozen weight) needs no cotangent, so the other operand's fp8 copy,
   # which only that cotangent reads, is not kept.
-  return _forward(lhs.value, rhs.value, carrier.value, static,
+  return _forward(lhs.value, rhs.value, carrier.value, amax.value, static,
                   need_lhs=lhs.perturbed, need_rhs=rhs.perturbed)
 
 
-def _forward(lhs, rhs, carrier, static, *, need_lhs, need_rhs):
-  """The product, and the residuals the wanted cotangents need."""
-  amax = jnp.stack([_amax(lhs), _amax(rhs)])
+def _forward(lhs, rhs, carrier, amax, static, *, need_lhs, need_rhs):
+  """The product, and the residuals the wanted cotangents need (``amax``:
+  the two operands' absolute maxima)."""
   if static.scaling == "block":
-    out, residuals = _blocks_fwd(lhs, rhs, amax, static, need_lhs, need_rhs)
+    out, residuals = _blocks_fwd(lhs, rhs, static, need_lhs, need_rhs)
     return _propagate(out, amax, static.dimension_numbers, lhs, rhs), residuals
   if static.scaling == "current":  # this step's maxima decide (the carrier's are not read)
     factors, scales = _fp8_numerics.current_scaling(amax, static.forward)
@@ -195,7 +197,7 @@ def _forward(lhs, rhs, carrier, static, *, need_lhs, need_rhs):
   g_meta = jnp.stack([carrier[2], carrier[ROLES + 2]])
   out = _propagate(out, amax, static.dimension_numbers, lhs, rhs)
   return out.astype(static.out_dtype), (q_lhs if need_rhs else None,
-                                        q_rhs if need_lhs else None, scales, g_meta, amax)
+                                        q_rhs if need_lhs else None, scales, g_meta)
 
 
 def _matmul_bwd(static, residuals, g):
@@ -203,9 +205,9 @@ def _matmul_bwd(static, residuals, g):
     g = jnp.zeros(g.shape, g.dtype)
   amax_g = _amax(g)
   if static.scaling == "block":
-    d_lhs, d_rhs, amax = _blocks_bwd(static, residuals, g, amax_g)
+    d_lhs, d_rhs = _blocks_bwd(static, residuals, g, amax_g)
   else:
-    q_lhs, q_rhs, scales, g_meta, amax = residuals
+    q_lhs, q_rhs, scales, g_meta = residuals
     if static.scaling == "current":
       factor, scale = _fp8_numerics.current_scaling(amax_g[None], static.backward)
       factor, scale = factor[0], scale[0]
@@ -219,12 +221,12 @@ def _matmul_bwd(static, residuals, g):
     d_rhs = None if q_lhs is None else lax.transpose(_propagate(
         _scaled_dot(q_g, q_lhs, dims_r, scale, scales[0]), amax_g, dims_r, g), perm_r)
   found = _probes._varying(
-      jnp.concatenate([amax, amax_g[None], jnp.zeros((ROLES,), jnp.float32)]), static.axes)
+      jnp.zeros((WIDTH,), jnp.float32).at[ROLES - 1].set(amax_g), static.axes)
   return (None if d_lhs is None else d_lhs.astype(static.lhs.dtype),
-          None if d_rhs is None else d_rhs.astype(static.rhs.dtype), found)
+          None if d_rhs is None else d_rhs.astype(static.rhs.dtype), found, None)
 
 
-def _blocks_fwd(lhs, rhs, amax, static, need_lhs, need_rhs):
+def _blocks_fwd(lhs, rhs, static, need_lhs, need_rhs):
   """Block scaling: each operand quantised along the forward contraction, and
   once more along the contraction of the backward product it enters (its
   residual, a byte an element and a scale a block)."""
@@ -237,12 +239,11 @@ def _blocks_fwd(lhs, rhs, amax, static, need_lhs, need_rhs):
   _, rhs_axis = _fp8_blocks.axes(dims_l)  # d_lhs contracts g with rhs
   _, lhs_axis = _fp8_blocks.axes(dims_r)  # d_rhs contracts g with lhs
   return out, (_fp8_blocks.quantize(lhs, lhs_axis, static.forward) if need_rhs else None,
-               _fp8_blocks.quantize(rhs, rhs_axis, static.forward) if need_lhs else None,
-               amax)
+               _fp8_blocks.quantize(rhs, rhs_axis, static.forward) if need_lhs else None)
 
 
 def _blocks_bwd(static, residuals, g, amax_g):
-  lhs_copy, rhs_copy, amax = residuals
+  lhs_copy, rhs_copy = residuals
   (dims_l, perm_l), (dims_r, perm_r) = _transposes(static.dimension_numbers,
                                                    static.lhs.ndim, static.rhs.ndim)
   d_lhs = d_rhs = None
@@ -258,7 +259,7 @@ def _blocks_bwd(static, residuals, g, amax_g):
     d_rhs = lax.transpose(_propagate(
         _fp8_blocks.dot(q_g, e_g, g_axis, *lhs_copy, lhs_axis, dims_r), amax_g, dims_r, g),
         perm_r)
-  return d_lhs, d_rhs, amax
+  return d_lhs, d_rhs
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
@@ -266,14 +267,17 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
 
 def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
            forward=_fp8_numerics.FORMATS["e4m3"], backward=_fp8_numerics.FORMATS["e5m2"],
-           scaling="delayed"):
+           scaling="delayed") -> tuple[jax.Array, jax.Array]:
   """``dot_general(lhs, rhs, dimension_numbers)`` as an fp8 GEMM, in ``out_dtype``.
+
+  Returns ``(product, amax)``: ``amax`` float32 ``[2]``, the operands'
+  absolute maxima (typed varying like ``carrier`` under ``shard_map``).
 
   Args:
     lhs, rhs: the operands, in the compute dtype.
     carrier: float32 ``[6]``: the lhs, rhs and gradient dequantisation
-      scales, then their reciprocals (`jmp_lite._fp8_numerics.site_carrier`); the cotangent is the
-      three absolute maxima, then zeros.
+      scales, then their reciprocals (`jmp_lite._fp8_numerics.site_carrier`); the cotangent is
+      the gradient's absolute maximum in the third place, zeros elsewhere.
     dimension_numbers: ``dot_general``'s.
     out_dtype: the product's dtype (the equation's).
     forward, backward: the fp8 formats of the operands and of the gradient.
@@ -289,4 +293,5 @@ def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
                    jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
                    jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
                    np.dtype(forward), np.dtype(backward), axes, scaling)
-  return _matmul(lhs, rhs, carrier, static)
+  amax = jax.lax.stop_gradient(jnp.stack([_amax(lhs), _amax(rhs)]))
+  return _matmul(lhs, rhs, carrier, amax, static), _probes._varying(amax, axes)

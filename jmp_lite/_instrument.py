@@ -4,225 +4,82 @@ in a traced function and reads them back.
 `value_and_grad` traces the function once (with `tap` marks active), plans
 where each probe's and each fp8 site's carrier lives in one flat float32
 vector, evaluates the jaxpr with them in place and differentiates with
-respect to that vector too. A probe's slice is zeros and its cotangent the
-statistics (`jmp_lite._stats` reads them); an fp8 site's slice holds its
-three scales and its cotangent the three maxima. Higher-order equations holding probes are re-bound through the
-public API with their share of the carrier:
+respect to that vector too. A probe's slice is zeros; an fp8 site's holds
+its three scales. What is measured comes back in the same layout, in two
+ways (`forward_slots` says which slots are which):
+
+* what the forward pass sees (a probed value's statistics, an fp8 site's
+  operand maxima) as an output of the forward pass: a value no gradient
+  reaches (behind ``stop_gradient``) is measured too;
+* what the backward pass sees (a cotangent's statistics, an fp8 gradient's
+  maximum) as the carrier's cotangent.
+
+`jmp_lite._stats` reads the probes' statistics. Higher-order equations
+holding probes are re-bound through the public API with their share of the
+carrier, and return their share of the forward measurements:
 
 * ``scan``: the carrier slice becomes one more scanned input, a row per
   iteration, so a scanned stack of layers reports each layer;
 * ``checkpoint`` (``remat``) and ``cond``: one more operand (each branch
   its own slice; the branch not taken reports zeros);
+* ``while`` (``fori_loop`` with traced bounds): one row for the whole loop,
+  maxima by max and counts by sum over its iterations. JAX cannot
+  reverse-differentiate a while loop, so one only sits where no gradient
+  flows, and it reports forward measurements only;
 * ``jit``: evaluated inline.
 
-Other higher-order equations (``while``, custom derivatives, ``shard_map``
-nested inside the function) run as written, and marks inside them report
-nothing: ``while`` has no reverse-mode derivative to carry statistics, and a
-custom rule's body is not what its derivative computes. `jmp_lite._unseen`
-warns when fp8 matmuls or telemetry marks sit there.
+Other higher-order equations (custom derivatives, ``shard_map`` nested
+inside the function) run as written, and marks inside them report nothing:
+a custom rule's body is not what its derivative computes.
+`jmp_lite._unseen` warns when fp8 matmuls or telemetry marks sit there.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import re
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _dtypes
 from jmp_lite import _fp8_numerics
 from jmp_lite import _fp8_sites
 from jmp_lite import _internals
 from jmp_lite import _probes
 from jmp_lite import _replicas
-from jmp_lite import _unseen
 from jmp_lite import fp8 as fp8_lib
-from jmp_lite import policy as policy_lib
+from jmp_lite._plan import Fp8Selection, Nested, Plan, Planner
+from jmp_lite._plan import decode, forward_slots, sites
 
-_NESTED = ("scan", "remat2", "jit", "pjit", "cond")
-
-
-@dataclasses.dataclass
-class Point:
-  offset: int
-  path: str
-  dtype: str
-  thresholds: _probes.Thresholds
-  view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
-  recipe: Optional[tuple[str, str]] = None  # an fp8 matmul site's formats
-  scaling: str = "delayed"  # an fp8 matmul site's: "delayed" or "current"
-
-  @property
-  def width(self) -> int:
-    if self.recipe is not None:
-      return _fp8_sites.WIDTH
-    return _probes.width(len(self.thresholds.tinies))
-
-
-@dataclasses.dataclass
-class Nested:
-  offset: int
-  kind: str
-  children: list["Plan"]
-  length: int = 1  # scan iterations
-
-
-@dataclasses.dataclass
-class Plan:
-  """Where each probe of one jaxpr writes in that jaxpr's carrier."""
-  size: int = 0
-  points: dict = dataclasses.field(default_factory=dict)  # eqn -> [(out, Point)]
-  nested: dict = dataclasses.field(default_factory=dict)  # eqn -> Nested
-
-
-class _Planner:
-  """Builds plans: which values are probed, and their paths."""
-
-  def __init__(self, mode: Optional[str], tap_paths: Sequence[str], what_if,
-               fp8: Optional["Fp8Selection"] = None):
-    self.mode = mode
-    self.tap_paths = tap_paths
-    self.what_if = tuple(what_if)
-    self.fp8 = fp8
-
-  def point(self, plan, key, path, aval, view=None):
-    dtype = np.dtype(aval.dtype if view is None else view)
-    view = None if dtype == np.dtype(aval.dtype) else dtype
-    point = Point(plan.size, path, dtype.name,
-                  _probes.thresholds(dtype, self.what_if), view)
-    plan.points.setdefault(key[0], []).append((key[1], point))
-    plan.size += point.width
-
-  def plan(self, jaxpr, prefix: str) -> Plan:
-    plan = Plan()
-    for i, eqn in enumerate(jaxpr.eqns):
-      where = _join(prefix, str(eqn.source_info.name_stack))
-      k = _probes.tap_index(eqn)
-      if k is not None:
-        if self.mode == "modules":
-          for j, v in enumerate(eqn.outvars):
-            path, views = self.tap_paths[k]
-            self.point(plan, (i, j), path, v.aval, views[j])
-        continue
-      recipe, site = self.fp8.choose(eqn, where) if self.fp8 else (None, "")
-      if recipe is not None:
-        point = Point(plan.size, site, "fp8", (), recipe=recipe,
-                      scaling=self.fp8.scaling)
-        plan.points.setdefault(i, []).append((None, point))
-        plan.size += point.width
-      children = self.children(eqn, where)
-      if children is not None:
-        if any(c.size for c in children):
-          length = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-          plan.nested[i] = Nested(plan.size, eqn.primitive.name, children, length)
-          plan.size += length * sum(c.size for c in children)
-        continue
-      if _is_higher_order(eqn):
-        _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
-                     modules=self.mode == "modules", shown=_clean(where))
-      if self.mode == "ops" and not _is_higher_order(eqn):
-        for j, v in enumerate(eqn.outvars):
-          if _dtypes.is_floating(v.aval) and v.aval.size:
-            self.point(plan, (i, j), _clean(where), v.aval)
-    return plan
-
-  def children(self, eqn, where) -> Optional[list[Plan]]:
-    name = eqn.primitive.name
-    if name not in _NESTED:
-      return None
-    if name == "cond":
-      return [self.plan(b.jaxpr, where) for b in eqn.params["branches"]]
-    body = eqn.params["jaxpr"]
-    return [self.plan(getattr(body, "jaxpr", body), where)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Selection:
-  """Which matmuls a step runs in fp8 (`jmp_lite.fp8.Fp8State.select`).
-
-  ``select`` None: those inside wrap's fp8 marks (the innermost mark decides,
-  so a module with another policy inside an fp8 module is not fp8). Else a
-  regular expression on the matmul's name-scope path, every match with
-  ``recipe``.
-  """
-  select: Optional[str] = None
-  recipe: str = "hybrid"
-  scaling: str = "delayed"
-
-  def choose(self, eqn, where: str) -> tuple[Optional[tuple[str, str]], str]:
-    if eqn.primitive.name not in ("dot_general", "jmp_dot_general"):
-      return None, ""
-    if not all(_dtypes.is_floating(v.aval) and v.aval.dtype.itemsize > 1
-               for v in eqn.invars):
-      return None, ""  # integer products, or operands already fp8
-    parts = [p for p in where.split("/") if p]
-    marks = [p for p in parts if p.startswith(_fp8_sites.MARK)]
-    path = _clean(where)
-    if self.select is not None:
-      if re.fullmatch(self.select, path) is None:
-        return None, ""
-      return policy_lib.FP8_RECIPES[self.recipe], path
-    if not marks:
-      return None, ""
-    recipe, _, module = marks[-1][len(_fp8_sites.MARK) + 1:].partition("@")
-    if recipe not in policy_lib.FP8_RECIPES:
-      return None, ""
-    return policy_lib.FP8_RECIPES[recipe], module.replace(".", "/")
-
-
-def _is_higher_order(eqn) -> bool:
-  return any(isinstance(getattr(v, "jaxpr", v), _internals.core.Jaxpr)
-             or _internals.is_wrapped_fun(v) for v in eqn.params.values())
-
-
-def _join(prefix: str, stack: str) -> str:
-  return "/".join(p for p in (prefix, stack) if p)
-
-
-def collapse(path: str) -> str:
-  """A name-stack path with the repeats nested wrappers make collapsed.
-
-  Flax names a module's scope twice (``Dense_0/Dense_0``), and wrap's own
-  frame adds ``module`` once more.
-  """
-  parts = [p for p in path.split("/") if p]
-  return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
-
-
-def _clean(path: str) -> str:
-  """`collapse`, with wrap's own frame and fp8 marks removed: paths as wrap's rules see them."""
-  path = collapse("/".join(p for p in path.split("/")
-                           if not p.startswith(_fp8_sites.MARK)))
-  prefix = "_LinenWrapper/module"
-  return path[len(prefix) + 1:] if path.startswith(prefix + "/") else (
-      "" if path == prefix else path)
-
-
-def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
+def interpret(jaxpr, consts, args, carrier, plan: Plan,
+              gate=None) -> tuple[list[Any], jax.Array]:
   """Evaluates ``jaxpr`` with the probes of ``plan`` fed from ``carrier``.
 
   ``gate``: None (every probe measures) or a float32 scalar (they measure
-  where it is positive, `jmp_lite._probes.probe`).
+  where it is positive, `jmp_lite._probes.probe`). Returns ``(outputs,
+  forward)``: ``forward`` float32 ``[plan.size]``, the forward
+  measurements in their slots (`forward_slots`) and zeros elsewhere.
   """
   index = iter(range(len(jaxpr.eqns)))
+  found = []  # (offset, forward measurements)
 
   def eval_eqn(eqn, invals):
     i = next(index)
     nested = plan.nested.get(i)
     if nested is not None:
-      return _nested(eqn, invals, carrier, nested, gate)
+      outs, measured = _nested(eqn, invals, carrier, nested, gate)
+      found.append((nested.offset, measured))
+      return outs
     points = plan.points.get(i, ())
     site = next((p for j, p in points if p.recipe is not None), None)
     if site is not None:
       lhs, rhs = invals
-      outs = _fp8_sites.matmul(lhs, rhs, carrier[site.offset:site.offset + site.width],
-                               eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype,
-                               *(fp8_lib.FORMATS[f] for f in site.recipe),
-                               scaling=site.scaling)
+      outs, amax = _fp8_sites.matmul(
+          lhs, rhs, carrier[site.offset:site.offset + site.width],
+          eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype,
+          *(fp8_lib.FORMATS[f] for f in site.recipe), scaling=site.scaling)
+      found.append((site.offset, amax))
     else:
       # A mark is bound as it is: JAX may have moved a cast into its body.
       outs = _internals.bind(eqn, invals)
@@ -231,14 +88,33 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan, gate=None) -> list[Any]:
       return outs
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     for j, p in points:
-      outs[j] = _probes.probe(outs[j], carrier[p.offset:p.offset + p.width],
-                              p.thresholds, gate, p.view)
+      outs[j], stats = _probes.probe(outs[j], carrier[p.offset:p.offset + p.width],
+                                     p.thresholds, gate, p.view)
+      found.append((p.offset, stats))
     return outs if eqn.primitive.multiple_results else outs[0]
 
-  return _internals.eval_jaxpr(jaxpr, consts, args, eval_eqn)
+  outs = _internals.eval_jaxpr(jaxpr, consts, args, eval_eqn)
+  return outs, _assemble(plan.size, found, carrier)
+
+
+def _assemble(size: int, found, like) -> jax.Array:
+  """A float32 ``[size]`` vector: each ``(offset, values)`` of ``found`` in
+  place, zeros elsewhere, typed varying like ``like`` under ``shard_map``."""
+  axes = tuple(sorted(_replicas.varying_axes(like)))
+  zeros = lambda n: _probes._varying(jnp.zeros((n,), jnp.float32), axes)
+  parts, at = [], 0
+  for start, values in sorted(found, key=lambda t: t[0]):
+    if start > at:
+      parts.append(zeros(start - at))
+    parts.append(values.astype(jnp.float32))
+    at = start + values.shape[0]
+  if at < size or not parts:
+    parts.append(zeros(size - at))
+  return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def _nested(eqn, invals, carrier, nested: Nested, gate):
+  """``eqn`` re-bound with its share of ``carrier``: ``(outputs, forward)``."""
   p = eqn.params
   kind = nested.kind
   sizes = [c.size for c in nested.children]
@@ -251,58 +127,68 @@ def _nested(eqn, invals, carrier, nested: Nested, gate):
 
     def step(carry, x):
       xs_i, c_i = x
-      outs = interpret(body.jaxpr, body.consts, [*consts, *carry, *xs_i], c_i,
-                       child, gate)
-      return outs[:nk], outs[nk:]
+      outs, measured = interpret(body.jaxpr, body.consts, [*consts, *carry, *xs_i],
+                                 c_i, child, gate)
+      return outs[:nk], (outs[nk:], measured)
 
-    carry, ys = jax.lax.scan(
+    carry, (ys, measured) = jax.lax.scan(
         step, list(init), (list(xs), region.reshape(nested.length, sizes[0])),
         length=nested.length, reverse=p["reverse"], unroll=p["unroll"])
-    return [*carry, *ys]
+    return [*carry, *ys], measured.reshape(-1)
   if kind == "remat2":
     (child,) = nested.children
     body = p["jaxpr"]
     fun = lambda c, *a: interpret(body, [], list(a), c, child, gate)
-    return jax.checkpoint(fun, prevent_cse=p["prevent_cse"], policy=p["policy"])(
-        region, *invals)
+    outs, measured = jax.checkpoint(fun, prevent_cse=p["prevent_cse"],
+                                    policy=p["policy"])(region, *invals)
+    return list(outs), measured
   if kind in ("jit", "pjit"):
     (child,) = nested.children
     body = p["jaxpr"]
     return interpret(body.jaxpr, body.consts, list(invals), region, child, gate)
+  if kind == "while":
+    return _while(p, invals, region, nested.children[0], gate)
   # cond: each branch reads its own slice of the region.
   starts = np.cumsum([0, *sizes])
-  branches = [functools.partial(_branch, b, c, region[s:s + c.size], gate)
+  branches = [functools.partial(_branch, b, c, region, int(s), gate)
               for b, c, s in zip(p["branches"], nested.children, starts)]
-  return list(jax.lax.switch(invals[0], branches, *invals[1:]))
+  outs, measured = jax.lax.switch(invals[0], branches, *invals[1:])
+  return list(outs), measured
 
 
-def _branch(closed, plan, carrier, gate, *ops):
-  return interpret(closed.jaxpr, closed.consts, list(ops), carrier, plan, gate)
+def _branch(closed, plan, region, start, gate, *ops):
+  outs, measured = interpret(closed.jaxpr, closed.consts, list(ops),
+                             region[start:start + plan.size], plan, gate)
+  return outs, _assemble(region.shape[0], [(start, measured)], region)
 
 
-def decode(vector: jax.Array, plan: Plan) -> list[tuple[Point, jax.Array]]:
-  """Per point, in forward order: ``(point, its slice)``; scans add leading axes."""
-  out = []
-  items = sorted([(i, -1 if j is None else j, "p", v)
-                  for i, ps in plan.points.items() for j, v in ps]
-                 + [(i, 0, "n", v) for i, v in plan.nested.items()],
-                 key=lambda t: (t[0], t[1]))
-  for _, _, kind, item in items:
-    if kind == "p":
-      out.append((item, vector[..., item.offset:item.offset + item.width]))
-      continue
-    sizes = [c.size for c in item.children]
-    region = vector[..., item.offset:item.offset + item.length * sum(sizes)]
-    if item.kind == "scan":
-      region = region.reshape(*region.shape[:-1], item.length, sizes[0])
-    start = 0
-    for child, size in zip(item.children, sizes):
-      out += decode(region[..., start:start + size], child)
-      start += size
-  return out
+def _while(p, invals, region, child: Plan, gate):
+  """A ``while`` loop whose body measures: its forward measurements combined
+  over the iterations (maxima by max, counts by sum), one row in all."""
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+  cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+  # No gradient flows through a while loop: its sites only read their scales.
+  region = jax.lax.stop_gradient(region)
+  _, maxima = forward_slots(child)
+
+  def keep_going(state):
+    carry, _ = state
+    return _internals.eval_jaxpr(cond.jaxpr, cond.consts, [*cond_consts, *carry],
+                                 _internals.bind)[0]
+
+  def step(state):
+    carry, seen = state
+    outs, measured = interpret(body.jaxpr, body.consts, [*body_consts, *carry],
+                               region, child, gate)
+    return outs, jnp.where(maxima, jnp.maximum(seen, measured), seen + measured)
+
+  carry, seen = jax.lax.while_loop(keep_going, step,
+                                   (list(init), _assemble(child.size, [], region)))
+  return list(carry), seen
 
 
-def _trace(fun, args, kwargs, planner: "_Planner"):
+def _trace(fun, args, kwargs, planner: Planner):
   """``fun`` traced once with marks active: its jaxpr, its plan, how to call it."""
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
   traced = [i for i, x in enumerate(leaves)
@@ -323,29 +209,9 @@ def _trace(fun, args, kwargs, planner: "_Planner"):
   return closed, planner.plan(closed.jaxpr, ""), traced, out_tree
 
 
-def sites(plan: Plan) -> list[tuple[str, Point, np.ndarray]]:
-  """The fp8 matmul sites of ``plan``: name, point and carrier indices ``[..., 6]``.
-
-  Named by module path (or name-scope path), with ``#2``, ``#3``... for a
-  path's later matmuls, in forward order.
-  """
-  out, seen = [], set()
-  for point, idx in decode(np.arange(plan.size), plan):
-    if point.recipe is None:
-      continue
-    base = point.path or "dot_general"
-    name, n = base, 1
-    while name in seen:
-      n += 1
-      name = f"{base}#{n}"
-    seen.add(name)
-    out.append((name, point, idx))
-  return out
-
-
 def fp8_sites(fun, args, kwargs, fp8: Fp8Selection) -> list[tuple[str, tuple, tuple]]:
   """``(name, leading shape, recipe)`` of each fp8 matmul ``fun(*args)`` makes."""
-  _, plan, _, _ = _trace(fun, args, kwargs, _Planner(None, (), (), fp8))
+  _, plan, _, _ = _trace(fun, args, kwargs, Planner(None, (), (), fp8))
   return [(name, idx.shape[:-1], p.recipe) for name, p, idx in sites(plan)]
 
 
@@ -365,22 +231,24 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
 
   def g(gate, fp8_state, *args, **kwargs):
     closed, plan, traced, out_tree = _trace(fun, args, kwargs,
-                                            _Planner(mode, (), what_if, fp8))
+                                            Planner(mode, (), what_if, fp8))
     slots = sites(plan)
 
     def probed(carrier, *args, **kwargs):
       now = jax.tree_util.tree_leaves((args, kwargs))
-      outs = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced],
-                       carrier, plan, gate)
+      outs, measured = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced],
+                                 carrier, plan, gate)
       value, aux = jax.tree_util.tree_unflatten(out_tree["tree"], outs)
-      return value, aux
+      return value, (aux, measured)
 
     shifted = tuple(a + 1 for a in argnums)
     carrier = _carrier(plan, slots, fp8_state)
-    (value, aux), grads = jax.value_and_grad(probed, argnums=(0, *shifted),
-                                             has_aux=True, allow_int=allow_int)(carrier, *args, **kwargs)
-    rows = [(p.path, p.dtype, a) for p, a in decode(grads[0], plan) if p.recipe is None]
-    amax = {name: grads[0][idx][..., :_fp8_sites.ROLES] for name, _, idx in slots}
+    (value, (aux, measured)), grads = jax.value_and_grad(
+        probed, argnums=(0, *shifted), has_aux=True, allow_int=allow_int)(
+            carrier, *args, **kwargs)
+    both = jnp.where(forward_slots(plan)[0], measured, grads[0])
+    rows = [(p.path, p.dtype, a) for p, a in decode(both, plan) if p.recipe is None]
+    amax = {name: both[idx][..., :_fp8_sites.ROLES] for name, _, idx in slots}
     return ((value, aux), tuple(grads[1:])), rows, amax
 
   return g
@@ -400,10 +268,10 @@ def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
                     f"got {type(fp8_state).__name__}")
   selection = Fp8Selection(fp8_state.select, fp8_state.recipe, fp8_state.scaling)
   closed, plan, traced, out_tree = _trace(fun, args, kwargs,
-                                          _Planner(None, (), (), selection))
+                                          Planner(None, (), (), selection))
   carrier = _carrier(plan, sites(plan), fp8_state)
   now = jax.tree_util.tree_leaves((args, kwargs))
-  outs = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced], carrier, plan)
+  outs, _ = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced], carrier, plan)
   return jax.tree_util.tree_unflatten(out_tree["tree"], outs)
 
 
@@ -432,9 +300,10 @@ def _check_state(state, slots) -> dict:
     meta = state.sites[name]
     formats = (meta.lhs.dtype, meta.grad.dtype)
     want = tuple(fp8_lib.FORMATS[f] for f in point.recipe)
-    if formats != want or meta.lhs.scale.shape != idx.shape[:-1]:
+    rows = idx.shape[:-1]
+    if formats != want or meta.lhs.scale.shape != rows:
       raise ValueError(
           f"fp8 site {name!r}: the state has formats {[d.name for d in formats]} and "
           f"rows {meta.lhs.scale.shape}, the step {[d.name for d in want]} and "
-          f"{idx.shape[:-1]}. Make the state with jmp_lite.fp8.init on this step.")
+          f"{rows}. Make the state with jmp_lite.fp8.init on this step.")
   return state.scales()

@@ -1,14 +1,17 @@
-"""Probes: forward and backward statistics of chosen values, read out through a gradient.
+"""Probes: forward and backward statistics of chosen values.
 
-A probe is an identity with a custom VJP, ``probe(x, c) = x``, where ``c`` is
-a small float32 vector (the *carrier*). Its forward pass keeps statistics of
-``x`` as residuals; its backward pass returns the cotangent of ``x``
-unchanged and, as the cotangent of ``c``, those forward statistics followed by
+A probe is an identity with a custom VJP, ``probe(x, c) = (x, forward
+statistics of x)``, where ``c`` is a small float32 vector (the *carrier*).
+The forward statistics are an output of the forward pass, so a value no
+gradient reaches (behind ``stop_gradient``: a teacher, a target network) is
+measured too. The backward pass returns the cotangent of ``x`` unchanged and,
+as the cotangent of ``c``, zeros where the forward statistics go followed by
 the same statistics of ``x``'s cotangent. Differentiating a function with
-respect to its carriers therefore returns, in the same backward pass and with
-no host callback, what every probed value and its cotangent looked like:
-inside ``jit``, ``scan`` (one carrier row per iteration), ``checkpoint`` and
-``cond``, where side outputs cannot escape.
+respect to its carriers therefore returns, in the same pass and with no host
+callback, what every probed value and its cotangent looked like: inside
+``jit``, ``scan`` (one carrier row per iteration), ``checkpoint`` and
+``cond``, where side outputs cannot escape unless each level returns them
+(`jmp_lite._instrument` does).
 
 Which values are probed: module outputs marked by `tap` (what
 `jmp_lite.flax.wrap` does while a probe trace is active), or, in ``"ops"``
@@ -153,8 +156,11 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
 
 
 def probe(x: jax.Array, carrier: jax.Array, th: Thresholds,
-          gate: Optional[jax.Array] = None, view=None) -> jax.Array:
-  """``x``, with its statistics and its cotangent's in ``carrier``'s cotangent.
+          gate: Optional[jax.Array] = None, view=None) -> tuple[jax.Array, jax.Array]:
+  """``(x, its forward statistics)``, with its cotangent's in ``carrier``'s cotangent.
+
+  The forward statistics fill the first half of the carrier's slice (the
+  cotangent has zeros there), the cotangent's the second half.
 
   With ``gate`` (a float32 scalar), only where ``gate > 0``: otherwise zeros,
   and the reductions are skipped (a ``cond`` around each, so that the rest
@@ -162,12 +168,13 @@ def probe(x: jax.Array, carrier: jax.Array, th: Thresholds,
 
   Under ``shard_map`` the carrier varies over every manual axis (see
   `_instrument`): per-device statistics are typed so before they are
-  returned as its cotangent. ``view``: see `tap`.
+  returned. ``view``: see `tap`.
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
   gated = gate is not None
-  return _probe(x, carrier, gate if gated else jnp.float32(1), th, axes, view,
-                gated)
+  gate = gate if gated else jnp.float32(1)
+  forward = _varying(jax.lax.stop_gradient(_measure(x, gate, th, view, gated)), axes)
+  return _probe(x, carrier, gate, th, axes, gated), forward
 
 
 def _varying(stats, axes):
@@ -187,21 +194,20 @@ def _measure(x, gate, th, view, gated):
   return jax.lax.cond(gate > 0, lambda v: statistics(v, th, view), skip, x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _probe(x, carrier, gate, th, axes, view, gated):
-  del carrier, gate, th, axes, view, gated
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _probe(x, carrier, gate, th, axes, gated):
+  del carrier, gate, th, axes, gated
   return x
 
 
-def _probe_fwd(x, carrier, gate, th, axes, view, gated):
-  del carrier, axes
-  return x, (_measure(x, gate, th, view, gated), gate)
+def _probe_fwd(x, carrier, gate, th, axes, gated):
+  del carrier, th, axes, gated
+  return x, gate
 
 
-def _probe_bwd(th, axes, view, gated, res, g):
-  del view
-  forward, gate = res
-  stats = jnp.concatenate([forward, _measure(g, gate, th, None, gated)])
+def _probe_bwd(th, axes, gated, gate, g):
+  backward = _measure(g, gate, th, None, gated)
+  stats = jnp.concatenate([jnp.zeros_like(backward), backward])
   return g, _varying(stats, axes), jnp.zeros_like(gate)
 
 

@@ -73,7 +73,7 @@ def scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
                            axis_name=None, fp8=None, allow_int=False):
   """``f(loss_scale, *args)`` returning ``(value, grads of loss_scale.scale(loss))``.
 
-  With ``telemetry`` or ``fp8`` (an `_instrument.Fp8Selection`),
+  With ``telemetry`` or ``fp8`` (a `jmp_lite._plan.Fp8Selection`),
   ``f(step, fp8_state, loss_scale, *args)`` returning ``(value, grads,
   stats, amax)``: ``stats`` a `jmp_lite.telemetry.PrecisionStats` of the
   same pass on the steps ``telemetry`` samples (reduced over ``axis_name``

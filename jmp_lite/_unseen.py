@@ -1,13 +1,13 @@
 """What the instrumented step cannot reach: fp8 matmuls and telemetry marks
 inside bodies it runs as written (`jmp_lite._instrument`).
 
-A ``while`` loop (``fori_loop`` with traced bounds) has no reverse-mode
-derivative, so nothing inside it can carry fp8 maxima or statistics back; a
-``custom_vjp``/``custom_jvp`` body is not what its derivative rule computes;
-a ``shard_map`` nested inside the step is re-bound as it is. Matmuls there
-that the policy puts in fp8 run unquantised in the compute dtype, and modules
-there report zeros. That used to be silent; the engine warns for the same
-case (`jmp_lite.UncoveredMatmulWarning`), and so does this.
+A ``custom_vjp``/``custom_jvp`` body is not what its derivative rule
+computes; a ``shard_map`` nested inside the step is re-bound as it is; a
+``while`` loop's condition is evaluated as written (its body is entered).
+Matmuls there that the policy puts in fp8 run unquantised in the compute
+dtype, and modules there report zeros. That used to be silent; the engine
+warns for the same case (`jmp_lite.UncoveredMatmulWarning`), and so does
+this.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from jmp_lite import _probes
 from jmp_lite._engine import UncoveredMatmulWarning
 
 _WHY = {
-    "while": "a while loop (a fori_loop with traced bounds) has no reverse-mode "
-             "derivative to carry them; a scan (or static bounds) does",
+    "while": "a while loop's condition is run as written (its body is measured)",
     "custom_vjp_call": "a custom_vjp's backward rule, not its body, is what "
                        "differentiates",
     "custom_jvp_call": "a custom_jvp's rule, not its body, is what differentiates",
@@ -55,11 +54,12 @@ def count(jaxpr, where: str, choose: Optional[Callable], join: Callable) -> tupl
 
 
 def warn(eqn, where: str, choose: Optional[Callable], join: Callable,
-         modules: bool, shown: str) -> None:
+         modules: bool, shown: str, bodies=None) -> None:
   """Warns if ``eqn``, run as written, holds fp8 matmuls or (``modules``)
-  telemetry marks; ``shown`` is its module path, for the message."""
+  telemetry marks (in ``bodies``: by default all it holds); ``shown`` is its
+  module path, for the message."""
   fp8 = marks = 0
-  for body in _bodies(eqn):
+  for body in (_bodies(eqn) if bodies is None else bodies):
     f, m = count(body, where, choose, join)
     fp8, marks = fp8 + f, marks + m
   marks = marks if modules else 0

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _dtypes
-from jmp_lite import _instrument
+from jmp_lite import _plan
 from jmp_lite import _internals
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite.policy import Policy, get_policy
@@ -112,7 +112,7 @@ class Calibration:
 def _scope(eqn, outer: str = "") -> str:
   """The eqn's name-stack path (after ``outer``, its enclosing call's), with
   the repeats nested wrappers make collapsed."""
-  return _instrument.collapse("/".join(
+  return _plan.collapse("/".join(
       p for p in (outer, str(eqn.source_info.name_stack)) if p))
 
 

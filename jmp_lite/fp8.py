@@ -244,7 +244,7 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
     >>> list(state.sites), state.history_length
     (['mlp', 'mlp#2'], 16)
   """
-  from jmp_lite import _instrument  # pylint: disable=import-outside-toplevel
+  from jmp_lite import _plan  # pylint: disable=import-outside-toplevel
   from jmp_lite import _scaled_grad  # pylint: disable=import-outside-toplevel
   from jmp_lite.policy import FP8_RECIPES  # pylint: disable=import-outside-toplevel
   if recipe not in FP8_RECIPES:
@@ -257,7 +257,7 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
                         algorithm=algorithm)  # checks the options
   found = _scaled_grad.fp8_sites(
       fun, args, kwargs, argnums=argnums, has_aux=has_aux, policy=policy,
-      selection=_instrument.Fp8Selection(select, recipe))
+      selection=_plan.Fp8Selection(select, recipe))
   if not found:
     raise ValueError(
         "jmp_lite.fp8.init: no fp8 matmul in this step: " + (

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite import _guard_state
-from jmp_lite import _instrument
+from jmp_lite import _plan
 from jmp_lite import _replicas
 from jmp_lite import _scaled_grad
 from jmp_lite import distributed
@@ -157,14 +157,14 @@ def value_and_grad(
   return functools.wraps(fun)(wrapped)
 
 
-def _selection(fp8) -> Optional[_instrument.Fp8Selection]:
+def _selection(fp8) -> Optional[_plan.Fp8Selection]:
   """Which matmuls an `jmp_lite.fp8.Fp8State` says are fp8 (None: no state)."""
   if fp8 is None:
     return None
   if not isinstance(fp8, Fp8State):
     raise TypeError(f"fp8 must be a jmp_lite.fp8.Fp8State (from jmp_lite.fp8.init), "
                     f"got {type(fp8).__name__}")
-  return _instrument.Fp8Selection(fp8.select, fp8.recipe, fp8.scaling)
+  return _plan.Fp8Selection(fp8.select, fp8.recipe, fp8.scaling)
 
 
 def _check_telemetry(telemetry, where: str):

@@ -1,17 +1,13 @@
 """What the instrumented step cannot reach is said, not skipped silently.
 
-fp8 matmuls and telemetry marks inside a ``while`` loop (``fori_loop`` with
-traced bounds) run as written: nothing carries their maxima or statistics
-back. Such a loop can only sit in a differentiated step where no gradient
-flows through it (JAX cannot reverse-differentiate it): a teacher or target
-network under ``stop_gradient``, as here. `jmp_lite._unseen` warns with
+fp8 matmuls and telemetry marks inside a ``custom_vjp`` body run as written:
+the body is not what the rule differentiates, so nothing carries their
+maxima or statistics back. `jmp_lite._unseen` warns with
 `jmp_lite.UncoveredMatmulWarning`, as the engine does for matmuls it cannot
-cover. Oracle: the same model with static bounds (``fori_loop`` then lowers
-to a ``scan``, which the step enters) gets the loop's matmul as an fp8 site
-(`jmp_lite.fp8.init`) and no warning.
+cover. Oracle: the same module without the custom rule gets its matmul as an
+fp8 site (`jmp_lite.fp8.init`) and no warning. (``while`` loops are entered:
+`tests/test_forward_measures.py`.)
 """
-
-import warnings
 
 import flax.linen as nn
 import jax
@@ -24,57 +20,58 @@ import jmp_lite.flax
 BF16 = "p=f32,c=bf16,o=f32"
 
 
-class Looped(nn.Module):
-  """A Dense applied ``n`` times inside ``fori_loop``."""
+@jax.custom_vjp
+def _matmul(x, w):
+  return x @ w
+
+
+_matmul.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+
+class Custom(nn.Module):
+  """A kernel applied through a custom_vjp (``custom``) or directly."""
+  custom: bool = True
 
   @nn.compact
-  def __call__(self, x, n):
-    dense = nn.Dense(8, name="step")
-    if self.is_initializing():
-      dense(x)  # parameters are created outside the loop's body
-    return jax.lax.fori_loop(0, n, lambda i, h: jnp.tanh(dense(h)), x)
+  def __call__(self, x):
+    w = self.param("w", nn.initializers.lecun_normal(), (8, 8))
+    return (_matmul if self.custom else jnp.matmul)(x, w.astype(x.dtype))
 
 
-def _setup(n):
-  """A student Dense trained in fp8, and a looped teacher under stop_gradient."""
-  rules = {nn.Dense: BF16 + ",fp8=hybrid"}
-  student = jmp_lite.flax.wrap(nn.Dense(8, name="student"), BF16, rules=rules)
-  teacher = jmp_lite.flax.wrap(Looped(), BF16, rules=rules)
+def _loss(custom, policy=BF16, **kw):
+  model = jmp_lite.flax.wrap(Custom(custom), policy, **kw)
   x = jnp.ones((4, 8))
-  params = {"student": student.init(jax.random.key(0), x)["params"],
-            "teacher": teacher.init(jax.random.key(1), x, 1)["params"]}
-
-  def loss(p, x):
-    target = teacher.apply({"params": jax.lax.stop_gradient(p["teacher"])}, x, n)
-    return jnp.sum((student.apply({"params": p["student"]}, x) - target) ** 2)
-  return loss, params, x
+  params = model.init(jax.random.key(0), x)["params"]
+  return (lambda p: jnp.sum(model.apply({"params": p}, x) ** 2)), params
 
 
-def test_fp8_matmuls_in_a_while_loop_are_warned_about():
-  traced = jnp.int32(3)  # traced bounds: fori_loop lowers to while
-  loss, params, x = _setup(traced)
+def test_fp8_matmuls_in_a_custom_vjp_are_warned_about():
+  loss, params = _loss(True, rules={Custom: BF16 + ",fp8=hybrid"})
   with pytest.warns(jmp_lite.UncoveredMatmulWarning,
-                    match=r"inside 'while' .* 1 matmul\(s\) the policy puts in fp8 run "
-                          r"unquantised: a while loop"):
-    state = jmp_lite.fp8.init(loss, params, x)
-  assert len(state.sites) == 1  # the student's: the loop's matmul is not a site
+                    match=r"inside 'custom_vjp_call' .* 1 matmul\(s\) the policy puts in "
+                          r"fp8 run unquantised: a custom_vjp's backward rule"):
+    with pytest.raises(ValueError, match="no fp8 matmul"):
+      jmp_lite.fp8.init(loss, params)
 
 
-def test_static_bounds_are_reached_and_nothing_is_warned():
-  loss, params, x = _setup(3)  # a Python int: fori_loop lowers to scan
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    state = jmp_lite.fp8.init(loss, params, x)
-  assert len(state.sites) == 2  # the student's, and the teacher's step
+def test_without_the_custom_rule_the_matmul_is_a_site(recwarn):
+  loss, params = _loss(False, rules={Custom: BF16 + ",fp8=hybrid"})
+  assert list(jmp_lite.fp8.init(loss, params).sites) == ["dot_general"]
+  assert not [w for w in recwarn if issubclass(w.category, jmp_lite.UncoveredMatmulWarning)]
 
 
-def test_telemetry_marks_in_a_while_loop_are_warned_about():
-  model = jmp_lite.flax.wrap(Looped(), "p=f32,c=f16,o=f32")
+def test_telemetry_marks_in_a_custom_vjp_are_warned_about():
+  model = jmp_lite.flax.wrap(Custom(False), "p=f32,c=f16,o=f32")
   x = jnp.ones((4, 8))
-  params = model.init(jax.random.key(0), x, 1)["params"]
-  loss = lambda p: jnp.sum(
-      model.apply({"params": jax.lax.stop_gradient(p)}, x, jnp.int32(2)) ** 2)
-  vg = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())
+  params = model.init(jax.random.key(0), x)["params"]
+
+  @jax.custom_vjp
+  def run(p):
+    return model.apply({"params": p}, x)
+
+  run.defvjp(lambda p: (run(p), p), lambda p, g: (jax.tree.map(jnp.zeros_like, p),))
+  vg = jmp_lite.value_and_grad(lambda p: jnp.sum(run(p) ** 2),
+                               telemetry=jmp_lite.Telemetry())
   with pytest.warns(jmp_lite.UncoveredMatmulWarning,
-                    match=r"telemetry mark\(s\) report zeros"):
+                    match=r"inside 'custom_vjp_call' .* telemetry mark\(s\) report zeros"):
     vg(params, loss_scale=jmp_lite.StaticLossScale(1.0))

@@ -1,0 +1,249 @@
+"""Where the instrumented step's probes and fp8 sites go: plans over a jaxpr.
+
+`jmp_lite._instrument` traces a function once and asks `_Planner` which
+values are probed (telemetry) and which matmuls are fp8 sites, and where
+each one's slice of the flat float32 carrier lives. A `Plan` per jaxpr
+maps equation indices to `Point`s (a probe or a site) and to `Nested`
+plans (the bodies of ``scan``, ``remat``, ``jit``, ``cond`` and ``while``
+equations, each with its own region of the carrier). `decode` reads a
+vector laid out by a plan back per point; `forward_slots` says which slots
+the forward pass fills and which hold maxima; `sites` names the fp8 sites.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jmp_lite import _dtypes
+from jmp_lite import _fp8_sites
+from jmp_lite import _internals
+from jmp_lite import _probes
+from jmp_lite import _unseen
+from jmp_lite import policy as policy_lib
+
+_NESTED = ("scan", "remat2", "jit", "pjit", "cond", "while")
+
+
+@dataclasses.dataclass
+class Point:
+  offset: int
+  path: str
+  dtype: str
+  thresholds: _probes.Thresholds
+  view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
+  recipe: Optional[tuple[str, str]] = None  # an fp8 matmul site's formats
+  scaling: str = "delayed"  # an fp8 matmul site's: "delayed" or "current"
+  @property
+  def width(self) -> int:
+    if self.recipe is not None:
+      return _fp8_sites.WIDTH
+    return _probes.width(len(self.thresholds.tinies))
+
+
+@dataclasses.dataclass
+class Nested:
+  offset: int
+  kind: str
+  children: list["Plan"]
+  length: int = 1  # scan iterations
+
+
+@dataclasses.dataclass
+class Plan:
+  """Where each probe of one jaxpr writes in that jaxpr's carrier."""
+  size: int = 0
+  points: dict = dataclasses.field(default_factory=dict)  # eqn -> [(out, Point)]
+  nested: dict = dataclasses.field(default_factory=dict)  # eqn -> Nested
+
+
+class Planner:
+  """Builds plans: which values are probed, and their paths."""
+
+  def __init__(self, mode: Optional[str], tap_paths: Sequence[str], what_if,
+               fp8: Optional["Fp8Selection"] = None):
+    self.mode = mode
+    self.tap_paths = tap_paths
+    self.what_if = tuple(what_if)
+    self.fp8 = fp8
+
+  def point(self, plan, key, path, aval, view=None):
+    dtype = np.dtype(aval.dtype if view is None else view)
+    view = None if dtype == np.dtype(aval.dtype) else dtype
+    point = Point(plan.size, path, dtype.name,
+                  _probes.thresholds(dtype, self.what_if), view)
+    plan.points.setdefault(key[0], []).append((key[1], point))
+    plan.size += point.width
+
+  def plan(self, jaxpr, prefix: str) -> Plan:
+    plan = Plan()
+    for i, eqn in enumerate(jaxpr.eqns):
+      where = _join(prefix, str(eqn.source_info.name_stack))
+      k = _probes.tap_index(eqn)
+      if k is not None:
+        if self.mode == "modules":
+          for j, v in enumerate(eqn.outvars):
+            path, views = self.tap_paths[k]
+            self.point(plan, (i, j), path, v.aval, views[j])
+        continue
+      recipe, site = self.fp8.choose(eqn, where) if self.fp8 else (None, "")
+      if recipe is not None:
+        point = Point(plan.size, site, "fp8", (), recipe=recipe,
+                      scaling=self.fp8.scaling)
+        plan.points.setdefault(i, []).append((None, point))
+        plan.size += point.width
+      children = self.children(eqn, where)
+      if children is not None:
+        if any(c.size for c in children):
+          length = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+          plan.nested[i] = Nested(plan.size, eqn.primitive.name, children, length)
+          plan.size += length * sum(c.size for c in children)
+        continue
+      if _is_higher_order(eqn):
+        _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
+                     modules=self.mode == "modules", shown=_clean(where))
+      if self.mode == "ops" and not _is_higher_order(eqn):
+        for j, v in enumerate(eqn.outvars):
+          if _dtypes.is_floating(v.aval) and v.aval.size:
+            self.point(plan, (i, j), _clean(where), v.aval)
+    return plan
+
+  def children(self, eqn, where) -> Optional[list[Plan]]:
+    name = eqn.primitive.name
+    if name not in _NESTED:
+      return None
+    if name == "cond":
+      return [self.plan(b.jaxpr, where) for b in eqn.params["branches"]]
+    if name == "while":
+      # The loop's condition runs as written (a matmul there is unusual).
+      _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
+                   modules=self.mode == "modules", shown=_clean(where),
+                   bodies=[eqn.params["cond_jaxpr"].jaxpr])
+      return [self.plan(eqn.params["body_jaxpr"].jaxpr, where)]
+    body = eqn.params["jaxpr"]
+    return [self.plan(getattr(body, "jaxpr", body), where)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Selection:
+  """Which matmuls a step runs in fp8 (`jmp_lite.fp8.Fp8State.select`).
+
+  ``select`` None: those inside wrap's fp8 marks (the innermost mark decides,
+  so a module with another policy inside an fp8 module is not fp8). Else a
+  regular expression on the matmul's name-scope path, every match with
+  ``recipe``.
+  """
+  select: Optional[str] = None
+  recipe: str = "hybrid"
+  scaling: str = "delayed"
+
+  def choose(self, eqn, where: str) -> tuple[Optional[tuple[str, str]], str]:
+    if eqn.primitive.name not in ("dot_general", "jmp_dot_general"):
+      return None, ""
+    if not all(_dtypes.is_floating(v.aval) and v.aval.dtype.itemsize > 1
+               for v in eqn.invars):
+      return None, ""  # integer products, or operands already fp8
+    parts = [p for p in where.split("/") if p]
+    marks = [p for p in parts if p.startswith(_fp8_sites.MARK)]
+    path = _clean(where)
+    if self.select is not None:
+      if re.fullmatch(self.select, path) is None:
+        return None, ""
+      return policy_lib.FP8_RECIPES[self.recipe], path
+    if not marks:
+      return None, ""
+    recipe, _, module = marks[-1][len(_fp8_sites.MARK) + 1:].partition("@")
+    if recipe not in policy_lib.FP8_RECIPES:
+      return None, ""
+    return policy_lib.FP8_RECIPES[recipe], module.replace(".", "/")
+
+
+def _is_higher_order(eqn) -> bool:
+  return any(isinstance(getattr(v, "jaxpr", v), _internals.core.Jaxpr)
+             or _internals.is_wrapped_fun(v) for v in eqn.params.values())
+
+
+def _join(prefix: str, stack: str) -> str:
+  return "/".join(p for p in (prefix, stack) if p)
+
+
+def collapse(path: str) -> str:
+  """A name-stack path with the repeats nested wrappers make collapsed.
+
+  Flax names a module's scope twice (``Dense_0/Dense_0``), and wrap's own
+  frame adds ``module`` once more.
+  """
+  parts = [p for p in path.split("/") if p]
+  return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
+
+
+def _clean(path: str) -> str:
+  """`collapse`, with wrap's own frame and fp8 marks removed: paths as wrap's rules see them."""
+  path = collapse("/".join(p for p in path.split("/")
+                           if not p.startswith(_fp8_sites.MARK)))
+  prefix = "_LinenWrapper/module"
+  return path[len(prefix) + 1:] if path.startswith(prefix + "/") else (
+      "" if path == prefix else path)
+
+
+def decode(vector: jax.Array, plan: Plan) -> list[tuple[Point, jax.Array]]:
+  """Per point, in forward order: ``(point, its slice)``; scans add leading axes."""
+  out = []
+  items = sorted([(i, -1 if j is None else j, "p", v)
+                  for i, ps in plan.points.items() for j, v in ps]
+                 + [(i, 0, "n", v) for i, v in plan.nested.items()],
+                 key=lambda t: (t[0], t[1]))
+  for _, _, kind, item in items:
+    if kind == "p":
+      out.append((item, vector[..., item.offset:item.offset + item.width]))
+      continue
+    sizes = [c.size for c in item.children]
+    region = vector[..., item.offset:item.offset + item.length * sum(sizes)]
+    if item.kind == "scan":
+      region = region.reshape(*region.shape[:-1], item.length, sizes[0])
+    start = 0
+    for child, size in zip(item.children, sizes):
+      out += decode(region[..., start:start + size], child)
+      start += size
+  return out
+
+
+def forward_slots(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+  """``(forward, maxima)``: boolean ``[plan.size]`` masks of the slots the
+  forward pass fills (the rest come back as the carrier's cotangent) and of
+  those holding maxima (the rest hold counts, or scales)."""
+  forward = np.zeros(plan.size, bool)
+  maxima = np.zeros(plan.size, bool)
+  for point, idx in decode(np.arange(plan.size), plan):
+    if point.recipe is not None:
+      forward[idx[..., :_fp8_sites.ROLES - 1]] = True
+      maxima[idx[..., :_fp8_sites.ROLES]] = True
+      continue
+    half = point.width // 2
+    forward[idx[..., :half]] = True
+    maxima[idx[..., [0, half]]] = True
+  return forward, maxima
+
+
+def sites(plan: Plan) -> list[tuple[str, Point, np.ndarray]]:
+  """The fp8 matmul sites of ``plan``: name, point and carrier indices ``[..., 6]``.
+
+  Named by module path (or name-scope path), with ``#2``, ``#3``... for a
+  path's later matmuls, in forward order.
+  """
+  out, seen = [], set()
+  for point, idx in decode(np.arange(plan.size), plan):
+    if point.recipe is None:
+      continue
+    base = point.path or "dot_general"
+    name, n = base, 1
+    while name in seen:
+      n += 1
+      name = f"{base}#{n}"
+    seen.add(name)
+    out.append((name, point, idx))
+  return out
