@@ -212,7 +212,7 @@ def _trace(fun, args, kwargs, planner: Planner):
 def fp8_sites(fun, args, kwargs, fp8: Fp8Selection) -> list[tuple[str, tuple, tuple]]:
   """``(name, leading shape, recipe)`` of each fp8 matmul ``fun(*args)`` makes."""
   _, plan, _, _ = _trace(fun, args, kwargs, Planner(None, (), (), fp8))
-  return [(name, idx.shape[:-1], p.recipe) for name, p, idx in sites(plan)]
+  return [(name, p.state_shape(idx.shape[:-1]), p.recipe) for name, p, idx in sites(plan)]
 
 
 def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
@@ -248,7 +248,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
             carrier, *args, **kwargs)
     both = jnp.where(forward_slots(plan)[0], measured, grads[0])
     rows = [(p.path, p.dtype, a) for p, a in decode(both, plan) if p.recipe is None]
-    amax = {name: both[idx][..., :_fp8_sites.ROLES] for name, _, idx in slots}
+    # A site with one state for a loop's iterations: its largest maxima.
+    amax = {name: jnp.max(both[idx][..., :_fp8_sites.ROLES], axis=p.shared_axes())
+            for name, p, idx in slots}
     return ((value, aux), tuple(grads[1:])), rows, amax
 
   return g
@@ -282,8 +284,11 @@ def _carrier(plan: Plan, slots, fp8_state) -> jax.Array:
   if slots or fp8_state is not None:
     scales = _check_state(fp8_state, slots)  # every site of the state, and no other
   if slots:
+    # A site with one state for a loop's iterations: the same scales in each row.
+    rows = [jnp.broadcast_to(jnp.expand_dims(scales[name], p.shared_axes()),
+                             (*idx.shape[:-1], _fp8_sites.ROLES)) for name, p, idx in slots]
     carrier = carrier.at[np.concatenate([i.ravel() for _, _, i in slots])].set(
-        _fp8_numerics.site_carrier([scales[name] for name, _, _ in slots]))
+        _fp8_numerics.site_carrier(rows))
   if _replicas.manual_axes() and _replicas.tracks_varying(_replicas.manual_axes()):
     # Per-device statistics: a carrier varying over every manual axis
     # takes them without the sum a replicated input's gradient gets.
@@ -300,7 +305,7 @@ def _check_state(state, slots) -> dict:
     meta = state.sites[name]
     formats = (meta.lhs.dtype, meta.grad.dtype)
     want = tuple(fp8_lib.FORMATS[f] for f in point.recipe)
-    rows = idx.shape[:-1]
+    rows = point.state_shape(idx.shape[:-1])
     if formats != want or meta.lhs.scale.shape != rows:
       raise ValueError(
           f"fp8 site {name!r}: the state has formats {[d.name for d in formats]} and "

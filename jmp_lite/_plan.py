@@ -38,11 +38,24 @@ class Point:
   view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
   recipe: Optional[tuple[str, str]] = None  # an fp8 matmul site's formats
   scaling: str = "delayed"  # an fp8 matmul site's: "delayed" or "current"
+  # An fp8 site's, per enclosing scan (outermost first): whether it is one
+  # site for all the scan's iterations rather than one per iteration
+  # (`_mark_shared`).
+  shared: tuple[bool, ...] = ()
+
   @property
   def width(self) -> int:
     if self.recipe is not None:
       return _fp8_sites.WIDTH
     return _probes.width(len(self.thresholds.tinies))
+
+  def shared_axes(self) -> tuple[int, ...]:
+    """The leading (scan) axes of this site's carrier rows it has one state for."""
+    return tuple(i for i, one in enumerate(self.shared) if one)
+
+  def state_shape(self, rows: tuple[int, ...]) -> tuple[int, ...]:
+    """The leading shape of this site's state, given its carrier rows' ``rows``."""
+    return tuple(n for n, one in zip(rows, self.shared) if not one)
 
 
 @dataclasses.dataclass
@@ -100,6 +113,8 @@ class Planner:
       if children is not None:
         if any(c.size for c in children):
           length = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+          if eqn.primitive.name == "scan":
+            _mark_shared(eqn, children[0])
           plan.nested[i] = Nested(plan.size, eqn.primitive.name, children, length)
           plan.size += length * sum(c.size for c in children)
         continue
@@ -126,6 +141,71 @@ class Planner:
       return [self.plan(eqn.params["body_jaxpr"].jaxpr, where)]
     body = eqn.params["jaxpr"]
     return [self.plan(getattr(body, "jaxpr", body), where)]
+
+
+# Where a scan body's values come from (`_mark_shared`).
+_INVARIANT, _CARRIED, _SCANNED = "invariant", "carried", "scanned"
+
+
+def _mark_shared(eqn, child: Plan) -> None:
+  """Decides, per fp8 site in a ``scan``'s body, one state per iteration or one in all.
+
+  One per iteration where an operand is computed from the scanned inputs and
+  neither operand is loop-invariant: a scanned stack of layers, each with its
+  own weights (Flax's ``nn.scan`` with ``variable_axes={"params": 0}``). One
+  for the whole loop otherwise: a cell scanned over time, whose weights are
+  closed over and whose inputs are carried or sliced from a sequence, so
+  its state does not depend on the sequence's length.
+  """
+  p = eqn.params
+  nc, nk = p["num_consts"], p["num_carry"]
+  body = p["jaxpr"].jaxpr
+  n_xs = len(body.invars) - nc - nk
+  origins = ([frozenset({_INVARIANT})] * nc + [frozenset({_CARRIED})] * nk
+             + [frozenset({_SCANNED})] * n_xs)
+  for point, operands in _site_operands(body, child, origins):
+    per_iteration = (any(_SCANNED in o for o in operands)
+                     and all(o - {_INVARIANT} for o in operands))
+    point.shared = (not per_iteration, *point.shared)
+
+
+def _site_operands(jaxpr, plan: Plan, origins):
+  """``(fp8 site, origins of its two operands)`` for each site of ``plan``,
+  nested ones too, given the origins of ``jaxpr``'s inputs (a value's are
+  the union of its inputs'; a literal has none)."""
+  env = {v: frozenset({_INVARIANT}) for v in jaxpr.constvars}
+  env.update(zip(jaxpr.invars, origins))
+  read = lambda v: frozenset() if isinstance(v, _internals.core.Literal) else env[v]
+  for i, eqn in enumerate(jaxpr.eqns):
+    ins = [read(v) for v in eqn.invars]
+    for _, point in plan.points.get(i, ()):
+      if point.recipe is not None:
+        yield point, ins[:2]
+    nested = plan.nested.get(i)
+    if nested is not None:
+      for body, child, inner in _body_origins(eqn, ins, nested):
+        yield from _site_operands(body, child, inner)
+    out = frozenset().union(*ins)
+    for v in eqn.outvars:
+      env[v] = out
+
+
+def _body_origins(eqn, ins, nested: Nested):
+  """``(body jaxpr, its plan, origins of its inputs)`` per body of ``eqn``.
+  A nested loop's carry may come to depend on anything the loop reads."""
+  p, anything = eqn.params, frozenset().union(*ins)
+  if nested.kind == "scan":
+    nc, nk = p["num_consts"], p["num_carry"]
+    return [(p["jaxpr"].jaxpr, nested.children[0],
+             ins[:nc] + [anything] * nk + ins[nc + nk:])]
+  if nested.kind == "while":
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    return [(p["body_jaxpr"].jaxpr, nested.children[0],
+             ins[nc:nc + nb] + [anything] * (len(ins) - nc - nb))]
+  if nested.kind == "cond":
+    return [(b.jaxpr, c, ins[1:]) for b, c in zip(p["branches"], nested.children)]
+  body = p["jaxpr"]
+  return [(getattr(body, "jaxpr", body), nested.children[0], ins)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,8 +62,10 @@ SCHEMA_VERSION = 1
 class MatmulMeta:
   """One fp8 matmul's metadata: its operands' and its output gradient's.
 
-  In a scanned stack each field has a leading axis per scan (a row per
-  layer).
+  In a scanned stack of layers each field has a leading axis per scan (a
+  row per layer); a matmul in a loop over time (its weights closed over, as
+  in ``nn.RNN``) has one state for all the loop's iterations (their largest
+  maxima), whatever the trip count.
 
   Args:
     lhs, rhs: the operands' `DelayedScaling`.
@@ -207,7 +209,8 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
   Traces ``fun`` once (abstractly, nothing runs) as `jmp_lite.TrainState.minimize`
   and `jmp_lite.value_and_grad` will, finds its fp8 matmuls and gives each
   fresh metadata: all-zero histories and scales of 1, a row per layer for a
-  matmul inside ``scan``.
+  matmul in a scanned stack of layers (one state for a matmul in a loop over
+  time, `MatmulMeta`).
 
   Args:
     fun: the loss function, as the step will be given it.

@@ -1,0 +1,154 @@
+"""fp8 sites in loops, by role: one state per layer of a scanned stack, one
+state for a cell scanned over time.
+
+A matmul whose weight is sliced from a scanned stack (Flax's ``nn.scan``
+with ``variable_axes={"params": 0}``) gets a history per layer; one whose
+weights are closed over (``nn.RNN`` over time, a ``fori_loop``) gets one
+history, the maximum over the iterations, so the fp8 state, and a
+checkpoint of it, does not depend on the sequence length. Oracle: the same
+cell unrolled by a Python loop, whose every call is a site of its own (the
+largest of their maxima is the loop's).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmp_lite
+import jmp_lite.flax
+
+BF16 = "p=f32,c=bf16,o=f32"
+FP8 = {nn.Dense: BF16 + ",fp8=hybrid"}
+ONE = jmp_lite.StaticLossScale(1.0)
+
+
+class Cell(nn.Module):
+  """An Elman cell: ``h' = tanh(x W + h U)``."""
+
+  @nn.compact
+  def __call__(self, h, x):
+    h = jnp.tanh(nn.Dense(16, name="i")(x) + nn.Dense(16, name="h", use_bias=False)(h))
+    return h, h
+
+
+class Scanned(nn.Module):
+  """The cell scanned over time (its parameters broadcast)."""
+
+  @nn.compact
+  def __call__(self, x):
+    cell = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False},
+                   in_axes=1, out_axes=1)(name="cell")
+    _, ys = cell(jnp.zeros((x.shape[0], 16), x.dtype), x)
+    return ys
+
+
+class Unrolled(nn.Module):
+  """The same cell called once per time step by Python."""
+
+  @nn.compact
+  def __call__(self, x):
+    cell = Cell(name="cell")
+    h, ys = jnp.zeros((x.shape[0], 16), x.dtype), []
+    for t in range(x.shape[1]):
+      h, y = cell(h, x[:, t])
+      ys.append(y)
+    return jnp.stack(ys, axis=1)
+
+
+def _setup(module, x):
+  model = jmp_lite.flax.wrap(module, BF16, rules=FP8)
+  loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
+  return loss, model.init(jax.random.key(0), x)["params"]
+
+
+def _sequence(t):
+  rng = np.random.default_rng(t)
+  x = rng.standard_normal((4, t, 8)).astype(np.float32)
+  x[1, t // 2, 3] = 37.0  # the largest input, mid-sequence
+  return jnp.asarray(x)
+
+
+def test_a_cell_over_time_has_one_state_whatever_the_length():
+  shapes = {}
+  for t in (8, 64):
+    loss, params = _setup(Scanned(), _sequence(t))
+    state = jmp_lite.fp8.init(loss, params, _sequence(t))
+    shapes[t] = {k: v.lhs.scale.shape for k, v in state.sites.items()}
+  assert shapes[8] == shapes[64] == {"cell/i": (), "cell/h": ()}
+  # A state made on short sequences runs on long ones.
+  loss, params = _setup(Scanned(), _sequence(8))
+  state = jmp_lite.fp8.init(loss, params, _sequence(8))
+  jmp_lite.value_and_grad(loss)(params, _sequence(64), loss_scale=ONE, fp8=state)
+
+
+def test_the_loops_maxima_are_the_largest_of_the_unrolled_calls():
+  t = 6
+  x = _sequence(t)
+  loss, params = _setup(Scanned(), x)
+  state = jmp_lite.fp8.init(loss, params, x)
+  *_, scanned = jmp_lite.value_and_grad(loss)(params, x, loss_scale=ONE, fp8=state)
+  unrolled_loss, unrolled_params = _setup(Unrolled(), x)
+  assert jax.tree.map(jnp.shape, unrolled_params) == jax.tree.map(jnp.shape, params)
+  state = jmp_lite.fp8.init(unrolled_loss, params, x)
+  assert len(state.sites) == 2 * t  # cell/i, cell/h, cell/i#2, ...
+  *_, unrolled = jmp_lite.value_and_grad(unrolled_loss)(params, x, loss_scale=ONE, fp8=state)
+  for name in ("cell/i", "cell/h"):
+    calls = [m for k, m in unrolled.sites.items() if k.split("#")[0] == name]
+    for role in ("lhs", "rhs", "grad"):
+      want = max(float(getattr(m, role).amax_history[0]) for m in calls)
+      got = float(getattr(scanned.sites[name], role).amax_history[0])
+      assert got == want, (name, role, got, want)
+  assert float(scanned.sites["cell/i"].lhs.amax_history[0]) == 37.0
+
+
+class Layer(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return jnp.tanh(nn.Dense(8, name="dense")(h)), None
+
+
+class Stack(nn.Module):
+  """Three layers, each with its own weights (stacked on axis 0)."""
+
+  @nn.compact
+  def __call__(self, x):
+    layers = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=3)(name="layers")
+    return layers(x, None)[0]
+
+
+class RecurrentLayer(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return Scanned(name="rnn")(x)[..., :8], None
+
+
+class RecurrentStack(nn.Module):
+  """Two recurrent layers scanned over depth, each its cell scanned over time."""
+
+  @nn.compact
+  def __call__(self, x):
+    layers = nn.scan(RecurrentLayer, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=2)(name="layers")
+    return layers(x, None)[0]
+
+
+def test_a_scanned_stack_keeps_a_state_per_layer():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)), jnp.float32)
+  loss, params = _setup(Stack(), x)
+  state = jmp_lite.fp8.init(loss, params, x)
+  assert {k: v.lhs.scale.shape for k, v in state.sites.items()} == {"layers/dense": (3,)}
+  *_, new = jmp_lite.value_and_grad(loss)(params, x, loss_scale=ONE, fp8=state)
+  kernels = np.asarray(params["layers"]["dense"]["kernel"], np.float32)
+  want = [np.abs(k.astype(jnp.bfloat16).astype(np.float32)).max() for k in kernels]
+  np.testing.assert_array_equal(new.sites["layers/dense"].rhs.amax_history[:, 0], want)
+
+
+def test_layers_over_depth_each_with_a_loop_over_time():
+  for t in (5, 9):
+    x = _sequence(t)
+    loss, params = _setup(RecurrentStack(), x)
+    state = jmp_lite.fp8.init(loss, params, x)
+    assert {k: v.lhs.scale.shape for k, v in state.sites.items()} == {
+        "layers/rnn/cell/i": (2,), "layers/rnn/cell/h": (2,)}
