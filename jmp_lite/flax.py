@@ -130,6 +130,23 @@ class _PolicyScope(Scope):
     return policy.cast_to_compute(_probes.tap(value, path, view=policy.compute_dtype))
 
 
+def _lifted(method, context) -> bool:
+  """Whether ``method`` is a lifted transform of the function being run.
+
+  A method decorated with a lifted transform (``nn.scan``, ``nn.remat``,
+  ``nn.jit``... on the method itself, as Flax's SST-2 LSTM classifier
+  does) is not intercepted itself: the transform calls the method's body
+  on a module of its own, and that call is. Calling the clone's method
+  would apply the transform a second time, nested in itself (a scan over
+  already-sliced inputs), so the clone runs the body that was intercepted.
+  Relies on Flax's method wrappers (``wrap_method_once``) keeping the
+  function they wrap as ``__wrapped__`` (``functools.wraps``), and on
+  ``InterceptorContext.orig_method`` being that function bound to the module.
+  """
+  return getattr(method, "__wrapped__", None) is not getattr(
+      context.orig_method, "func", None)
+
+
 class _LinenInterceptor:
   """Applies the rules to every module method called under it.
 
@@ -173,8 +190,11 @@ class _LinenInterceptor:
         # embedding, nn.RNN's cell) stays the model's, where its variables are.
         clone = module.clone(parent=_PolicyScope(module.scope, policy, path),
                              _deep_clone=False, **self.dtypes(module, policy))
+        run = getattr(clone, context.method_name)
+        if _lifted(method, context):
+          run = functools.partial(nn.module.wrap_method_once(context.orig_method.func), clone)
         with fp8_scope(self.rules, policy, path):
-          out = getattr(clone, context.method_name)(*args, **kwargs)
+          out = run(*args, **kwargs)
     finally:
       self.stack.pop()
     # In a telemetry trace: the module's output as it computed it.

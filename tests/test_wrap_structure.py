@@ -7,6 +7,8 @@ policies, every matmul bf16/f16 x bf16/f16 -> float32 (`jmp_lite.audit`), the
 policy overriding the layers' own ``dtype=jnp.float32``.
 """
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -92,6 +94,35 @@ class GRU(nn.Module):
     return nn.Dense(4)(nn.RNN(nn.GRUCell(8))(x)[:, -1])
 
 
+class _ScannedMethod(nn.Module):
+  """A recurrent layer whose method is itself the lifted scan, the way
+  Flax's SST-2 classifier writes its LSTM (examples/sst2/models.py,
+  ``SimpleLSTM``, google/flax@0e5fc04): a transform decorating the method,
+  a parameter of the body's own (``mix``) and a cell built in the body."""
+
+  @functools.partial(nn.transforms.scan, variable_broadcast="params", in_axes=1,
+                     out_axes=1, split_rngs={"params": False})
+  @nn.compact
+  def __call__(self, carry, x):
+    mix = self.param("mix", nn.initializers.lecun_normal(), (x.shape[-1], 8),
+                     Config.dtype)
+    return nn.OptimizedLSTMCell(8, dtype=Config.dtype)(carry, x @ mix)
+
+
+class BiLSTM(nn.Module):
+  """Two such layers built in ``setup``, one reading the sequence reversed."""
+
+  def setup(self):
+    self.forward = _ScannedMethod()
+    self.backward = _ScannedMethod()
+
+  def __call__(self, x):
+    carry = (jnp.zeros((x.shape[0], 8), x.dtype),) * 2
+    _, ahead = self.forward(carry, x)
+    _, behind = self.backward(carry, x[:, ::-1])
+    return jnp.concatenate([ahead, behind[:, ::-1]], -1)[:, -1]
+
+
 _TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, Config.vocab, (2, 6)),
                       jnp.int32)
 _SEQ = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, 3)), jnp.float32)
@@ -100,6 +131,7 @@ MODELS = {
     "adopting": (Adopting, (_SEQ[:, 0],)),
     "lstm": (LSTM, (_SEQ,)),
     "gru": (GRU, (_SEQ,)),
+    "bilstm_method_scan": (BiLSTM, (_SEQ,)),
 }
 
 
@@ -380,3 +412,4 @@ def test_share_scope_keeps_the_layout(policy):
   assert out.dtype == jnp.float32
   np.testing.assert_allclose(out, ref, rtol=0 if policy == "f32" else 2e-2,
                              atol=0 if policy == "f32" else 2e-2)
+
