@@ -118,6 +118,9 @@ class NnxWrapper(nnx.Module):
     stored = dict(nnx.to_flat_state(nnx.state(self.module, nnx.Not(nnx.Param))))
     changed = []
     for path, variable in nnx.to_flat_state(updates):
+      if path not in stored:  # made by the call (``sow``): kept as it is
+        changed.append((path, variable))
+        continue
       new, old = variable.get_value(), stored[path].get_value()
       if new is old:
         continue

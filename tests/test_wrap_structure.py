@@ -8,6 +8,7 @@ policy overriding the layers' own ``dtype=jnp.float32``.
 """
 
 import functools
+import warnings
 
 import chex
 import flax.linen as nn
@@ -413,3 +414,34 @@ def test_share_scope_keeps_the_layout(policy):
   np.testing.assert_allclose(out, ref, rtol=0 if policy == "f32" else 2e-2,
                              atol=0 if policy == "f32" else 2e-2)
 
+
+class _Sowing(nnx.Module):
+  """Records its hidden layer with ``sow``, as NNX's guide to intermediates
+  shows (outside ``nnx.capture``: deprecated, but published models do it)."""
+
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(4, 8, rngs=rngs)
+    self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.l1(x)
+    self.sow(nnx.Intermediate, "l1_out", h)
+    return self.l2(h)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nnx_sow_under_wrap_records_as_the_model_does(policy):
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 4)), jnp.float32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    model = _Sowing(nnx.Rngs(0))
+    ref = [model(x) for _ in range(2)]
+    wrapped = jmp_lite.flax.wrap(_Sowing(nnx.Rngs(0)), policy)
+    out = [wrapped(x) for _ in range(2)]
+  recorded = wrapped.module.l1_out.get_value()
+  assert len(recorded) == len(model.l1_out.get_value()) == 2  # one per call
+  half = {"bf16": jnp.bfloat16, "f16": jnp.float16}.get(HALF.get(policy), jnp.float32)
+  assert all(r.dtype == half and r.shape == (3, 8) for r in recorded)
+  if policy == "f32":
+    chex.assert_trees_all_equal(out, ref)
+    chex.assert_trees_all_equal(recorded, model.l1_out.get_value())
