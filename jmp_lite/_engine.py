@@ -66,6 +66,24 @@ def is_narrow_matmul(eqn) -> bool:
           and (pref is None or np.dtype(pref) == lhs))
 
 
+def _accumulates_wide(eqn) -> bool:
+  """A 16-bit x 16-bit product already asking for a float32 result.
+
+  Flax's NNX attention writes its logits so (``preferred_element_type``).
+  Left as it is, its derivative is JAX's: float32 cotangent x 16-bit
+  operand, a float32 matmul in the backward pass. As the engine's primitive
+  its transposes are 16-bit products accumulating in float32, like every
+  other matmul of the step (torch.autocast's rule too). fp8 operands are
+  left alone: their scaling is the fp8 recipe's.
+  """
+  if eqn.primitive.name not in _accumulate.BY_BASE or len(eqn.invars) != 2:
+    return False
+  lhs, rhs = (np.dtype(v.aval.dtype) for v in eqn.invars)
+  pref = eqn.params.get("preferred_element_type")
+  return (lhs == rhs and _dtypes.is_narrow_float(lhs) and lhs.itemsize == 2
+          and pref is not None and np.dtype(pref) == _accumulate.F32)
+
+
 def _refused_on_cpu(eqn) -> bool:
   """A half x half dot whose algorithm preset XLA:CPU cannot compile.
 
@@ -127,7 +145,7 @@ class _Rewriter:
 
   def eqn(self, eqn):
     name = eqn.primitive.name
-    if is_narrow_matmul(eqn) or _refused_on_cpu(eqn):
+    if is_narrow_matmul(eqn) or _refused_on_cpu(eqn) or _accumulates_wide(eqn):
       out = np.dtype(eqn.outvars[0].aval.dtype)
       params = dict(eqn.params, preferred_element_type=_accumulate.F32,
                     out_dtype=out, reduce_dtype=self.reduce_dtype)

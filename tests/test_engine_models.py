@@ -131,39 +131,31 @@ def _assert_close(got, want, what, tol=TOL):
   assert err <= tol, f"{what}: relative error {err:.3g} > {tol}"
 
 
-def _assert_engine_covers(wrapped, reference, kinds=("matmul",), wide=0):
+def _assert_engine_covers(wrapped, reference, kinds=("matmul",)):
   """Audits of a wrapped and an unwrapped (float32) computation agree.
 
   Args:
     wrapped: `jmp_lite.audit` of the computation through the wrapped model.
     reference: `jmp_lite.audit` of the same computation, unwrapped.
     kinds: the categories that must occur (``matmul``, ``conv``).
-    wide: how many matmuls have a float32 operand (and accumulate in float32)
-      by JAX's own design: ``jax.nn.dot_product_attention`` writes its logits
-      as bf16 x bf16 -> float32, so their cotangent is float32 and JAX's
-      transpose multiplies it by a bf16 operand (wider, never narrower).
   """
   assert wrapped.count(flag="half_matmul") == 0, wrapped
   for kind in KINDS:
     total = wrapped.count(category=kind)
     narrow_f32 = wrapped.count(category=kind, operand_dtype="bf16",
                                accumulation=jnp.float32)
-    expected_wide = wide if kind == "matmul" else 0
-    # Every product is bf16 x bf16 -> f32 (but the wide ones), and there are
-    # as many as the f32 model has: none left in bf16, none moved to f32,
-    # none lost.
+    # Every product is bf16 x bf16 -> f32, and there are as many as the f32
+    # model has: none left in bf16, none moved to f32, none lost. (A product
+    # JAX writes as bf16 x bf16 -> f32, as `jax.nn.dot_product_attention`
+    # writes its logits, too: its transposes took the float32 cotangent
+    # times a bf16 operand before the engine took such products.)
     assert total == reference.count(category=kind), (
         kind, total, reference.count(category=kind), str(wrapped))
-    assert narrow_f32 == total - expected_wide, (kind, narrow_f32, str(wrapped))
+    assert narrow_f32 == total, (kind, narrow_f32, str(wrapped))
     if kind in kinds:
       assert narrow_f32 >= 1, (kind, str(wrapped))
-  wide_rows = wrapped.select(flag="f32_matmul")
-  assert len(wide_rows) == wide, str(wrapped)
-  assert all(r.category == "matmul" and r.accumulation == np.float32
-             and np.dtype(jnp.bfloat16) in r.operand_dtypes
-             for r in wide_rows), wide_rows
   # The audit's own verdict agrees (with the policy, f32 matmuls are flagged).
-  wrapped.assert_clean(allow=OTHER_FLAGS + (("f32_matmul",) if wide else ()))
+  wrapped.assert_clean(allow=OTHER_FLAGS)
 
 
 def _audit(fun, *args):
@@ -184,7 +176,7 @@ def _forward_and_vjp(fun, cot):
   return jax.jit(run)
 
 
-def _check_model(fun, ref, params, x, kinds, wide=(0, 0)):
+def _check_model(fun, ref, params, x, kinds):
   """The engine's audit and the float32 values of forward and gradients.
 
   Args:
@@ -193,15 +185,12 @@ def _check_model(fun, ref, params, x, kinds, wide=(0, 0)):
     params: float32 parameters of both.
     x: a float32 input.
     kinds: the categories (``matmul``, ``conv``) the model must have.
-    wide: the number of matmuls with a float32 operand that JAX's own code
-      writes in the forward and in the gradient (see `_assert_engine_covers`).
   """
   cot = _normal(jax.eval_shape(ref, params, x).shape, seed=2)
   loss, ref_loss = _vjp_loss(fun, cot), _vjp_loss(ref, cot)
-  _assert_engine_covers(_audit(fun, params, x), _audit(ref, params, x), kinds,
-                        wide[0])
+  _assert_engine_covers(_audit(fun, params, x), _audit(ref, params, x), kinds)
   _assert_engine_covers(_audit(jax.grad(loss), params, x),
-                        _audit(jax.grad(ref_loss), params, x), kinds, wide[1])
+                        _audit(jax.grad(ref_loss), params, x), kinds)
   out, grads = _forward_and_vjp(fun, cot)(params, x)
   ref_out, ref_grads = _forward_and_vjp(ref, cot)(params, x)
   _assert_close(out, ref_out, "forward")
@@ -504,18 +493,17 @@ class NnxConv(nnx.Module):
     return self.head(x.reshape(x.shape[0], -1))
 
 
-# name: (class, input shape, categories, promotion, wide matmuls (forward,
-# gradient): see `_assert_engine_covers`).
+# name: (class, input shape, categories, promotion).
 NNX = {
-    "scan": (NnxScan, (4, 16), ("matmul",), "strict", (0, 0)),
-    "remat": (NnxRemat, (4, 16), ("matmul",), "strict", (0, 0)),
-    "vmap": (NnxVmap, (3, 4, 16), ("matmul",), "strict", (0, 0)),
-    "attention": (NnxAttention, (2, 5, 16), ("matmul",), "strict", (0, 0)),
+    "scan": (NnxScan, (4, 16), ("matmul",), "strict"),
+    "remat": (NnxRemat, (4, 16), ("matmul",), "strict"),
+    "vmap": (NnxVmap, (3, 4, 16), ("matmul",), "strict"),
+    "attention": (NnxAttention, (2, 5, 16), ("matmul",), "strict"),
     # jax.nn.dot_product_attention: q.k^T is bf16 x bf16 -> f32 as JAX writes
-    # it, so its two backward products take the float32 cotangent.
+    # it; its two backward products are bf16 x bf16 -> f32 too.
     "attention_dpa": (functools.partial(NnxAttention, dropout_rate=0.0),
-                      (2, 5, 16), ("matmul",), "standard", (0, 2)),
-    "conv": (NnxConv, (2, 8, 8, 3), ("matmul", "conv"), "strict", (0, 0)),
+                      (2, 5, 16), ("matmul",), "standard"),
+    "conv": (NnxConv, (2, 8, 8, 3), ("matmul", "conv"), "strict"),
 }
 
 
@@ -538,7 +526,7 @@ def _pure(module):
 
 @pytest.mark.parametrize("name", NNX)
 def test_nnx_forward_and_grad(name):
-  cls, shape, kinds, promotion, wide = NNX[name]
+  cls, shape, kinds, promotion = NNX[name]
   with jax.numpy_dtype_promotion(promotion):
     x = _normal(shape, 1)
     model = _build(cls)
@@ -553,7 +541,7 @@ def test_nnx_forward_and_grad(name):
     chex.assert_trees_all_equal(params["module"], ref_params)
     # The float32 oracle takes the wrapper's parameter tree: same leaves.
     unwrap = lambda p, x: ref(p["module"], x)
-    _check_model(fun, unwrap, params, x, kinds, wide)
+    _check_model(fun, unwrap, params, x, kinds)
 
 
 def test_nnx_grad_of_wrapper_object():

@@ -305,6 +305,55 @@ def test_nnx_own_norm_class_runs_in_float32():
   assert str(jmp_lite.flax.policy_map(wrapped)[""]) == "p=f32,c=f32,o=f32"
 
 
+class _AttentionBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False,
+                                       rngs=rngs)
+    self.mlp = nnx.Linear(16, 16, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.norm(x))
+    return x + self.mlp(x)
+
+
+class _ScannedRematStack(nnx.Module):
+  """Stacked blocks run by ``nnx.scan(nnx.remat(...))``, as NNX's docs scan layers."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _AttentionBlock(rngs)
+    self.blocks = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def step(x, block):
+      return block(x)
+    return step(x, self.blocks)
+
+
+@pytest.mark.parametrize("policy", list(HALF))
+def test_nnx_scanned_remat_attention_backward_matmuls_are_half(policy):
+  """NNX's attention asks its logits' product for a float32 result
+  (``preferred_element_type``); JAX's own derivative of that is a float32
+  cotangent times a 16-bit operand (2 of 27 gradient matmuls were). Every
+  matmul of the gradient is 16-bit x 16-bit -> float32."""
+  wrapped = jmp_lite.flax.wrap(_ScannedRematStack(nnx.Rngs(0)), policy)
+  graphdef, state = nnx.split(wrapped)
+  x = jnp.ones((2, 5, 16))
+  loss = lambda s, x: jnp.mean(nnx.merge(graphdef, s)(x) ** 2)
+  with jax.numpy_dtype_promotion("standard"):
+    report = jmp_lite.audit(jax.grad(loss), state, x, policy=policy)
+  total = report.count(category="matmul")
+  assert total == 27, str(report)
+  assert report.count(category="matmul", operand_dtype=HALF[policy],
+                      accumulation=jnp.float32) == total, str(report)
+
+
 # float16 on CPU --------------------------------------------------------------
 
 
