@@ -494,3 +494,39 @@ def test_nnx_sow_under_wrap_records_as_the_model_does(policy):
   if policy == "f32":
     chex.assert_trees_all_equal(out, ref)
     chex.assert_trees_all_equal(recorded, model.l1_out.get_value())
+
+
+class _Float32Logits(nn.Module):
+  """Attention logits and softmax computed on operands the model casts to
+  float32 itself (the "softmax in fp32" pattern of published LLMs)."""
+
+  @nn.compact
+  def __call__(self, x):
+    q, k, v = (nn.Dense(8, name=n)(x) for n in "qkv")
+    logits = jnp.einsum("bqd,bkd->bqk", q.astype(jnp.float32), k.astype(jnp.float32))
+    weights = jax.nn.softmax(logits).astype(v.dtype)
+    return nn.Dense(8, name="out")(weights @ v)
+
+
+def test_explicit_float32_stays_unless_the_policy_decides_by_operation():
+  """Under p/c/o the model's own float32 logits product stays float32 (1
+  forward, 2 backward); under O1 every matmul is bf16 (torch.autocast's
+  rule), and the softmax's exp stays float32 under both."""
+  model = _Float32Logits()
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 4, 8)), jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+
+  def report(policy):
+    wrapped = jmp_lite.flax.wrap(model, policy)
+    return jmp_lite.audit(jax.grad(lambda v: jnp.sum(wrapped.apply(v, x))), variables,
+                          policy=policy)
+
+  pco, o1 = report("p=f32,c=bf16,o=f32"), report("O1")
+  total = pco.count(category="matmul")
+  assert total == o1.count(category="matmul") == 15
+  assert pco.count(category="matmul", operand_dtype="f32") == 3
+  assert pco.count(category="matmul", operand_dtype="bf16", accumulation=jnp.float32) == 12
+  assert o1.count(category="matmul", operand_dtype="bf16", accumulation=jnp.float32) == 15
+  for r in (pco, o1):
+    assert [row.operand_dtypes for row in r.select(primitive="exp")] == [
+        (np.dtype(np.float32),)]
