@@ -16,9 +16,11 @@ scopes to keep in float32.
 Values inside ``jit``, ``remat`` and ``scan`` bodies are measured where they
 are computed (a scanned stack of layers: each scope over all its
 iterations); ``custom_jvp``/``custom_vjp``, ``cond`` and ``while`` bodies at
-their outputs only. A value at its dtype's largest magnitude (the
-``jnp.finfo(dtype).min`` attention masks with) is a fill value, not an
-activation, and is not counted.
+their outputs only. A value computed only from ``stop_gradient`` outputs
+(a frozen teacher) is measured on the forward pass, and its cotangent is
+zero, as no gradient reaches it in training. A value at its dtype's
+largest magnitude (the ``jnp.finfo(dtype).min`` attention masks with) is a
+fill value, not an activation, and is not counted.
 
 Every intermediate is held at once, so calibrate on one batch of the size
 you train with, not on a larger one.
@@ -130,31 +132,49 @@ def _closed(body):
   return (body.jaxpr, body.consts) if hasattr(body, "jaxpr") else (body, ())
 
 
-def _points(jaxpr, key=(), outer="", lengths=()):
+def _points(jaxpr, key=(), outer="", lengths=(), dead=()):
   """Every floating value computed in ``jaxpr`` and the bodies it enters:
-  ``(key, shape, dtype, scope)``, where ``key`` is the path of equation
-  indices and then the output index, and ``shape`` has a leading axis per
-  enclosing ``scan``."""
+  ``(key, shape, dtype, scope, live)``, where ``key`` is the path of
+  equation indices and then the output index, and ``shape`` has a leading
+  axis per enclosing ``scan``.
+
+  ``live`` is False for a value computed only from ``stop_gradient``
+  outputs (``dead``: which of ``jaxpr``'s inputs are): no gradient reaches
+  it in training, and perturbing it would differentiate what it flows into
+  (a ``while`` loop under a teacher's ``stop_gradient`` cannot be)."""
   found = []
+  gone = {v for v, d in zip(jaxpr.invars, dead) if d}
+  is_dead = lambda v: isinstance(v, _internals.core.Var) and v in gone
   for i, eqn in enumerate(jaxpr.eqns):
     here = key + (i,)
     scope = _scope(eqn, outer)
     name = eqn.primitive.name
+    ins = [is_dead(v) for v in eqn.invars]
+    out_dead = name == "stop_gradient" or (any(
+        isinstance(v, _internals.core.Var) for v in eqn.invars) and all(
+            d for v, d in zip(eqn.invars, ins) if isinstance(v, _internals.core.Var)))
     if name in _CALLS and _CALLS[name] in eqn.params:
-      found += _points(_closed(eqn.params[_CALLS[name]])[0], here, scope, lengths)
+      found += _points(_closed(eqn.params[_CALLS[name]])[0], here, scope, lengths, ins)
     elif name == "scan":
+      # A carry can come to depend on any operand.
+      nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+      body_dead = ins[:nc] + [out_dead] * nk + ins[nc + nk:]
       found += _points(eqn.params["jaxpr"].jaxpr, here, scope,
-                       lengths + (int(eqn.params["length"]),))
+                       lengths + (int(eqn.params["length"]),), body_dead)
     for j, v in enumerate(eqn.outvars):
+      if out_dead and isinstance(v, _internals.core.Var):
+        gone.add(v)
       if _dtypes.is_floating(v.aval):
-        found.append((here + (j,), lengths + tuple(v.aval.shape), v.aval.dtype, scope))
+        found.append((here + (j,), lengths + tuple(v.aval.shape), v.aval.dtype, scope,
+                      not out_dead))
   return found
 
 
 def _evaluate(jaxpr, consts, args, key, perturb):
   """``jaxpr`` on ``args`` with ``perturb[k]`` added to the value at each
-  point ``k`` under ``key``; returns the outputs and each point's largest
-  ``|value|`` (over the iterations of the scans it is in)."""
+  point ``k`` under ``key`` (None: measured, not perturbed); returns the
+  outputs and each point's largest ``|value|`` (over the iterations of the
+  scans it is in)."""
   seen = {}
   index = iter(range(len(jaxpr.eqns)))
 
@@ -175,7 +195,8 @@ def _evaluate(jaxpr, consts, args, key, perturb):
     for j in range(len(outs)):
       k = here + (j,)
       if k in perturb:
-        outs[j] = outs[j] + perturb[k]
+        if perturb[k] is not None:
+          outs[j] = outs[j] + perturb[k]
         seen[k] = _largest(outs[j])
     return outs[0] if single else outs
 
@@ -203,15 +224,17 @@ def _scan(eqn, invals, key, perturb):
   consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], \
       invals[n_consts + n_carry:]
   inner = [k for k in perturb if len(k) > len(key) + 1 and k[:len(key)] == key]
+  scanned = [k for k in inner if perturb[k] is not None]
   body = p["jaxpr"]
 
   def step(carry, x):
     x_now, p_now = x
-    outs, seen = _evaluate(body.jaxpr, body.consts, [*consts, *carry, *x_now], key,
-                           dict(zip(inner, p_now)))
+    now = {k: None for k in inner}
+    now.update(zip(scanned, p_now))
+    outs, seen = _evaluate(body.jaxpr, body.consts, [*consts, *carry, *x_now], key, now)
     return outs[:n_carry], (outs[n_carry:], seen)
 
-  carry, (ys, seen) = jax.lax.scan(step, list(init), (list(xs), [perturb[k] for k in inner]),
+  carry, (ys, seen) = jax.lax.scan(step, list(init), (list(xs), [perturb[k] for k in scanned]),
                                    length=p["length"], reverse=p["reverse"],
                                    unroll=p["unroll"])
   return [*carry, *ys], {k: jnp.max(v) for k, v in seen.items()}
@@ -315,7 +338,7 @@ def calibrate(
   # scan too, gets a zero added to it: the gradient with respect to that
   # zero is the value's cotangent.
   points = _points(jaxpr)
-  zeros = [jnp.zeros(shape, dtype) for _, shape, dtype, _ in points]
+  zeros = [jnp.zeros(shape, dtype) if live else None for _, shape, dtype, _, live in points]
   flat_in = jax.tree_util.tree_leaves((params, arrays))
   n_params = len(jax.tree_util.tree_leaves(params))
 
@@ -329,7 +352,9 @@ def calibrate(
   (loss, act_max), (cts, grads) = jax.jit(jax.value_and_grad(run, argnums=(0, 1),
                                                               has_aux=True))(
       zeros, diff_in, rest_in)
-  cts = [np.asarray(c, np.float32) for c in cts]
+  # A value no gradient reaches has a zero cotangent.
+  cts = [np.zeros(shape, np.float32) if c is None else np.asarray(c, np.float32)
+         for c, (_, shape, *_) in zip(cts, points)]
   grads = [np.asarray(g, np.float32) for g in grads
            if jnp.issubdtype(jnp.asarray(g).dtype, jnp.floating)]
   act_max = [float(a) for a in act_max]
@@ -343,7 +368,7 @@ def calibrate(
   # What a half-precision pass holds: a Flax model's (or named scope's)
   # values and the parameter gradients. Outside every scope (the loss around
   # a model, in the output dtype) only when nothing is scoped.
-  scope_of = [scope for *_, scope in points]
+  scope_of = [scope for _, _, _, scope, _ in points]
   scoped = [k for k, scope in enumerate(scope_of) if scope]
   half = [cts[k] for k in (scoped or range(len(points)))] + grads
   max_ct = max((float(np.max(np.abs(c))) for c in half if c.size), default=0.0)
