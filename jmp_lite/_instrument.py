@@ -14,6 +14,13 @@ ways (`forward_slots` says which slots are which):
 * what the backward pass sees (a cotangent's statistics, an fp8 gradient's
   maximum) as the carrier's cotangent.
 
+A value no gradient reaches in the step (computed from no differentiated
+argument, or through ``stop_gradient``: `jmp_lite._plan.Planner` follows
+which are) is measured on the forward pass alone, and its fp8 sites read
+their scales through ``stop_gradient``: a probe's carrier would otherwise
+make JAX differentiate it and everything it flows into (a teacher's
+backward pass; a ``while`` loop, which cannot be).
+
 `jmp_lite._stats` reads the probes' statistics. Higher-order equations
 holding probes are re-bound through the public API with their share of the
 carrier, and return their share of the forward measurements:
@@ -75,8 +82,12 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan,
     site = next((p for j, p in points if p.recipe is not None), None)
     if site is not None:
       lhs, rhs = invals
+      scales = carrier[site.offset:site.offset + site.width]
+      # A site no gradient reaches (a teacher's) reads its scales and stays
+      # undifferentiated: its maxima are forward outputs.
+      scales = scales if site.live else jax.lax.stop_gradient(scales)
       outs, amax = _fp8_sites.matmul(
-          lhs, rhs, carrier[site.offset:site.offset + site.width],
+          lhs, rhs, scales,
           eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype,
           *(fp8_lib.FORMATS[f] for f in site.recipe), scaling=site.scaling)
       found.append((site.offset, amax))
@@ -88,8 +99,11 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan,
       return outs
     outs = list(outs) if eqn.primitive.multiple_results else [outs]
     for j, p in points:
-      outs[j], stats = _probes.probe(outs[j], carrier[p.offset:p.offset + p.width],
-                                     p.thresholds, gate, p.view)
+      slot = carrier[p.offset:p.offset + p.width]
+      if p.live:
+        outs[j], stats = _probes.probe(outs[j], slot, p.thresholds, gate, p.view)
+      else:  # no gradient reaches it: no cotangent to measure, none made
+        stats = _probes.forward(outs[j], slot, p.thresholds, gate, p.view)
       found.append((p.offset, stats))
     return outs if eqn.primitive.multiple_results else outs[0]
 
@@ -188,11 +202,18 @@ def _while(p, invals, region, child: Plan, gate):
   return list(carry), seen
 
 
-def _trace(fun, args, kwargs, planner: Planner):
-  """``fun`` traced once with marks active: its jaxpr, its plan, how to call it."""
+def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None):
+  """``fun`` traced once with marks active: its jaxpr, its plan, how to call it.
+
+  ``argnums``: the differentiated arguments (None: every one), which the
+  plan follows to know which values a gradient reaches.
+  """
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
   traced = [i for i, x in enumerate(leaves)
             if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+  owner = [a for a, arg in enumerate(args) for _ in jax.tree_util.tree_leaves(arg)]
+  owner += [None] * (len(leaves) - len(owner))  # keyword arguments
+  live = None if argnums is None else [owner[i] in argnums for i in traced]
   out_tree = {}
 
   def flat_fun(*dynamic):
@@ -206,7 +227,7 @@ def _trace(fun, args, kwargs, planner: Planner):
   with _probes.tapping() as paths:
     closed = jax.make_jaxpr(flat_fun)(*(leaves[i] for i in traced))
   planner.tap_paths = list(paths)
-  return closed, planner.plan(closed.jaxpr, ""), traced, out_tree
+  return closed, planner.plan(closed.jaxpr, "", live), traced, out_tree
 
 
 def fp8_sites(fun, args, kwargs, fp8: Fp8Selection) -> list[tuple[str, tuple, tuple]]:
@@ -231,7 +252,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
 
   def g(gate, fp8_state, *args, **kwargs):
     closed, plan, traced, out_tree = _trace(fun, args, kwargs,
-                                            Planner(mode, (), what_if, fp8))
+                                            Planner(mode, (), what_if, fp8),
+                                            tuple(argnums))
     slots = sites(plan)
 
     def probed(carrier, *args, **kwargs):

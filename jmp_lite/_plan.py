@@ -42,6 +42,10 @@ class Point:
   # site for all the scan's iterations rather than one per iteration
   # (`_mark_shared`).
   shared: tuple[bool, ...] = ()
+  # Whether a gradient reaches the value (an fp8 site: either operand) in
+  # the differentiated step (`Planner.plan`); one no gradient reaches is
+  # measured on the forward pass only, and stays undifferentiated.
+  live: bool = True
 
   @property
   def width(self) -> int:
@@ -84,32 +88,40 @@ class Planner:
     self.what_if = tuple(what_if)
     self.fp8 = fp8
 
-  def point(self, plan, key, path, aval, view=None):
+  def point(self, plan, key, path, aval, view=None, live=True):
     dtype = np.dtype(aval.dtype if view is None else view)
     view = None if dtype == np.dtype(aval.dtype) else dtype
     point = Point(plan.size, path, dtype.name,
-                  _probes.thresholds(dtype, self.what_if), view)
+                  _probes.thresholds(dtype, self.what_if), view, live=live)
     plan.points.setdefault(key[0], []).append((key[1], point))
     plan.size += point.width
 
-  def plan(self, jaxpr, prefix: str) -> Plan:
+  def plan(self, jaxpr, prefix: str, live: Optional[Sequence[bool]] = None) -> Plan:
+    """The plan of ``jaxpr``. ``live``: which of its inputs a gradient
+    reaches (None: all); a value is live if it is computed from a live one,
+    not through ``stop_gradient``."""
     plan = Plan()
+    alive = {v for v, on in zip(jaxpr.invars, live or [True] * len(jaxpr.invars)) if on}
     for i, eqn in enumerate(jaxpr.eqns):
       where = _join(prefix, str(eqn.source_info.name_stack))
+      ins = [isinstance(v, _internals.core.Var) and v in alive for v in eqn.invars]
+      out_live = any(ins) and eqn.primitive.name != "stop_gradient"
+      if out_live:
+        alive.update(eqn.outvars)
       k = _probes.tap_index(eqn)
       if k is not None:
         if self.mode == "modules":
           for j, v in enumerate(eqn.outvars):
             path, views = self.tap_paths[k]
-            self.point(plan, (i, j), path, v.aval, views[j])
+            self.point(plan, (i, j), path, v.aval, views[j], live=out_live)
         continue
       recipe, site = self.fp8.choose(eqn, where) if self.fp8 else (None, "")
       if recipe is not None:
         point = Point(plan.size, site, "fp8", (), recipe=recipe,
-                      scaling=self.fp8.scaling)
+                      scaling=self.fp8.scaling, live=out_live)
         plan.points.setdefault(i, []).append((None, point))
         plan.size += point.width
-      children = self.children(eqn, where)
+      children = self.children(eqn, where, ins)
       if children is not None:
         if any(c.size for c in children):
           length = eqn.params["length"] if eqn.primitive.name == "scan" else 1
@@ -120,27 +132,35 @@ class Planner:
         continue
       if _is_higher_order(eqn):
         _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
-                     modules=self.mode == "modules", shown=_clean(where))
+                     mode=self.mode, shown=_clean(where))
       if self.mode == "ops" and not _is_higher_order(eqn):
         for j, v in enumerate(eqn.outvars):
           if _dtypes.is_floating(v.aval) and v.aval.size:
-            self.point(plan, (i, j), _clean(where), v.aval)
+            self.point(plan, (i, j), _clean(where), v.aval, live=out_live)
     return plan
 
-  def children(self, eqn, where) -> Optional[list[Plan]]:
+  def children(self, eqn, where, ins) -> Optional[list[Plan]]:
+    """The plans of ``eqn``'s bodies, given which of its operands are live
+    (a loop's carry may come to depend on any operand)."""
     name = eqn.primitive.name
     if name not in _NESTED:
       return None
     if name == "cond":
-      return [self.plan(b.jaxpr, where) for b in eqn.params["branches"]]
+      return [self.plan(b.jaxpr, where, ins[1:]) for b in eqn.params["branches"]]
     if name == "while":
       # The loop's condition runs as written (a matmul there is unusual).
       _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
-                   modules=self.mode == "modules", shown=_clean(where),
+                   mode=self.mode, shown=_clean(where),
                    bodies=[eqn.params["cond_jaxpr"].jaxpr])
-      return [self.plan(eqn.params["body_jaxpr"].jaxpr, where)]
+      nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+      return [self.plan(eqn.params["body_jaxpr"].jaxpr, where,
+                        ins[nc:nc + nb] + [any(ins)] * (len(ins) - nc - nb))]
+    if name == "scan":
+      nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+      return [self.plan(eqn.params["jaxpr"].jaxpr, where,
+                        ins[:nc] + [any(ins)] * nk + ins[nc + nk:])]
     body = eqn.params["jaxpr"]
-    return [self.plan(getattr(body, "jaxpr", body), where)]
+    return [self.plan(getattr(body, "jaxpr", body), where, ins)]
 
 
 # Where a scan body's values come from (`_mark_shared`).

@@ -172,9 +172,19 @@ def probe(x: jax.Array, carrier: jax.Array, th: Thresholds,
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
   gated = gate is not None
-  gate = gate if gated else jnp.float32(1)
-  forward = _varying(jax.lax.stop_gradient(_measure(x, gate, th, view, gated)), axes)
-  return _probe(x, carrier, gate, th, axes, gated), forward
+  stats = forward(x, carrier, th, gate, view)
+  return _probe(x, carrier, gate if gated else jnp.float32(1), th, axes, gated), stats
+
+
+def forward(x: jax.Array, carrier: jax.Array, th: Thresholds,
+            gate: Optional[jax.Array] = None, view=None) -> jax.Array:
+  """The forward statistics of `probe`, alone: for a value no gradient
+  reaches, measured without making it (and what it flows into) differentiated.
+  Typed varying like ``carrier`` under ``shard_map``."""
+  axes = tuple(sorted(_replicas.varying_axes(carrier)))
+  gated = gate is not None
+  stats = _measure(x, gate if gated else jnp.float32(1), th, view, gated)
+  return _varying(jax.lax.stop_gradient(stats), axes)
 
 
 def _varying(stats, axes):

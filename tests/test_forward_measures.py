@@ -147,3 +147,42 @@ def test_a_loop_is_measured_without_a_warning(n, recwarn):
   x = jnp.full((4, 8), 0.75)
   jmp_lite.fp8.init(_looped_loss(model), DOUBLING, x, n)
   assert not [w for w in recwarn if issubclass(w.category, jmp_lite.UncoveredMatmulWarning)]
+
+
+def _frozen_teacher_loss(model):
+  """Only the teacher's parameters are frozen: its output, computed from
+  the batch and constants, is one no gradient reaches in plain JAX."""
+  def loss(p, x):
+    frozen = {"student": p["student"], "teacher": jax.lax.stop_gradient(p["teacher"])}
+    student, teacher = model.apply({"params": frozen}, x)
+    return jnp.mean((student - teacher) ** 2)
+  return loss
+
+
+@pytest.mark.parametrize("what", ["telemetry", "fp8"])
+def test_measuring_differentiates_exactly_what_the_step_does(what):
+  """Measuring the teacher must not make JAX differentiate it: the step
+  with telemetry or fp8 sites has the plain step's matmuls (the student's
+  forward and weight-gradient products, the teacher's forward), and the
+  teacher's backward statistics are zero (before: 2 more matmuls, and the
+  cotangent that would reach it read as its backward maximum)."""
+  model = jmp_lite.flax.wrap(Pair(), BF16, rules=FP8 if what == "fp8" else None)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 16)), jnp.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = _frozen_teacher_loss(model)
+  plain = jmp_lite.audit(lambda p: jmp_lite.value_and_grad(loss)(p, x, loss_scale=ONE),
+                         params).count(category="matmul")
+  assert plain == 3
+  if what == "telemetry":
+    vg = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())
+    step = lambda p: vg(p, x, loss_scale=ONE)
+    stats = step(params)[-1].modules
+    assert float(stats["teacher"].forward_max) > 0
+    assert float(stats["teacher"].backward_max) == 0
+    assert float(stats["student"].backward_max) > 0
+  else:
+    state = jmp_lite.fp8.init(loss, params, x)
+    step = lambda p: jmp_lite.value_and_grad(loss)(p, x, loss_scale=ONE, fp8=state)
+    teacher = step(params)[-1].sites["teacher"]
+    assert float(teacher.lhs.amax_history[0]) > 0 and float(teacher.grad.amax_history[0]) == 0
+  assert jmp_lite.audit(step, params).count(category="matmul") == plain
