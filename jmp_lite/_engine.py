@@ -67,20 +67,23 @@ def is_narrow_matmul(eqn) -> bool:
 
 
 def _accumulates_wide(eqn) -> bool:
-  """A 16-bit x 16-bit product already asking for a float32 result.
+  """A bfloat16 x bfloat16 product already asking for a float32 result.
 
   Flax's NNX attention writes its logits so (``preferred_element_type``).
-  Left as it is, its derivative is JAX's: float32 cotangent x 16-bit
+  Left as it is, its derivative is JAX's: float32 cotangent x bf16
   operand, a float32 matmul in the backward pass. As the engine's primitive
-  its transposes are 16-bit products accumulating in float32, like every
-  other matmul of the step (torch.autocast's rule too). fp8 operands are
-  left alone: their scaling is the fp8 recipe's.
+  its transposes are bf16 products accumulating in float32, like every
+  other matmul of the step (torch.autocast's rule too): the float32
+  cotangent is rounded to bfloat16, whose range is float32's. A float16
+  one could overflow there (a cotangent above 65504), so float16 products
+  keep JAX's rule; fp8 operands are left alone (their scaling is the fp8
+  recipe's).
   """
   if eqn.primitive.name not in _accumulate.BY_BASE or len(eqn.invars) != 2:
     return False
   lhs, rhs = (np.dtype(v.aval.dtype) for v in eqn.invars)
   pref = eqn.params.get("preferred_element_type")
-  return (lhs == rhs and _dtypes.is_narrow_float(lhs) and lhs.itemsize == 2
+  return (lhs == rhs == np.dtype(jax.numpy.bfloat16)
           and pref is not None and np.dtype(pref) == _accumulate.F32)
 
 

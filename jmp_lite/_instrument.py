@@ -5,7 +5,7 @@ in a traced function and reads them back.
 where each probe's and each fp8 site's carrier lives in one flat float32
 vector, evaluates the jaxpr with them in place and differentiates with
 respect to that vector too. A probe's slice is zeros; an fp8 site's holds
-its three scales. What is measured comes back in the same layout, in two
+its three scales and their reciprocals. What is measured comes back in the same layout, in two
 ways (`forward_slots` says which slots are which):
 
 * what the forward pass sees (a probed value's statistics, an fp8 site's
@@ -244,16 +244,18 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
 
   Returns ``g(gate, fp8_state, *args, **kwargs) -> ((value, aux), grads),
   rows, amax``: ``rows`` the probes' ``(path, dtype, stats)`` in forward
-  order (``mode`` None: no probes), ``amax`` each fp8 site's ``[..., 3]``
-  absolute maxima, quantised with ``fp8_state``'s scales (``fp8`` None: no
+  order (``mode`` None: no probes), ``amax`` each fp8 site's absolute
+  maxima, ``[*its state's leading shape, 3]`` (a site with one state for a
+  loop's iterations: their largest; a non-finite one, as for one tensor,
+  makes the row's maximum non-finite), quantised with ``fp8_state``'s scales (``fp8`` None: no
   sites, ``{}``); all computed in the same pass. ``gate`` as `interpret`
   takes it.
   """
 
   def g(gate, fp8_state, *args, **kwargs):
+    nums = tuple(a % len(args) for a in argnums)  # -1: the last argument
     closed, plan, traced, out_tree = _trace(fun, args, kwargs,
-                                            Planner(mode, (), what_if, fp8),
-                                            tuple(argnums))
+                                            Planner(mode, (), what_if, fp8), nums)
     slots = sites(plan)
 
     def probed(carrier, *args, **kwargs):
@@ -263,7 +265,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
       value, aux = jax.tree_util.tree_unflatten(out_tree["tree"], outs)
       return value, (aux, measured)
 
-    shifted = tuple(a + 1 for a in argnums)
+    shifted = tuple(a + 1 for a in nums)
     carrier = _carrier(plan, slots, fp8_state)
     (value, (aux, measured)), grads = jax.value_and_grad(
         probed, argnums=(0, *shifted), has_aux=True, allow_int=allow_int)(

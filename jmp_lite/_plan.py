@@ -1,6 +1,6 @@
 """Where the instrumented step's probes and fp8 sites go: plans over a jaxpr.
 
-`jmp_lite._instrument` traces a function once and asks `_Planner` which
+`jmp_lite._instrument` traces a function once and asks `Planner` which
 values are probed (telemetry) and which matmuls are fp8 sites, and where
 each one's slice of the flat float32 carrier lives. A `Plan` per jaxpr
 maps equation indices to `Point`s (a probe or a site) and to `Nested`
@@ -133,7 +133,9 @@ class Planner:
       if _is_higher_order(eqn):
         _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
                      mode=self.mode, shown=_clean(where))
-      if self.mode == "ops" and not _is_higher_order(eqn):
+      if self.mode == "ops":
+        # Every floating result, a body run as written (a custom_jvp's, such
+        # as jax.nn.relu's) at its outputs.
         for j, v in enumerate(eqn.outvars):
           if _dtypes.is_floating(v.aval) and v.aval.size:
             self.point(plan, (i, j), _clean(where), v.aval, live=out_live)
@@ -165,6 +167,9 @@ class Planner:
 
 # Where a scan body's values come from (`_mark_shared`).
 _INVARIANT, _CARRIED, _SCANNED = "invariant", "carried", "scanned"
+# Primitives that read part of their first operand at indices given by the
+# others (``ws[i]`` in a loop body).
+_INDEXING = frozenset({"dynamic_slice", "gather"})
 
 
 def _mark_shared(eqn, child: Plan) -> None:
@@ -172,7 +177,9 @@ def _mark_shared(eqn, child: Plan) -> None:
 
   One per iteration where an operand is computed from the scanned inputs and
   neither operand is loop-invariant: a scanned stack of layers, each with its
-  own weights (Flax's ``nn.scan`` with ``variable_axes={"params": 0}``). One
+  own weights (Flax's ``nn.scan`` with ``variable_axes={"params": 0}``, or a
+  ``fori_loop`` reading ``ws[i]``: an invariant array indexed by the carried
+  counter is a scanned input too). One
   for the whole loop otherwise: a cell scanned over time, whose weights are
   closed over and whose inputs are carried or sliced from a sequence, so
   its state does not depend on the sequence's length.
@@ -206,6 +213,8 @@ def _site_operands(jaxpr, plan: Plan, origins):
       for body, child, inner in _body_origins(eqn, ins, nested):
         yield from _site_operands(body, child, inner)
     out = frozenset().union(*ins)
+    if eqn.primitive.name in _INDEXING and any(_CARRIED in o for o in ins[1:]):
+      out = out | {_SCANNED}  # a slice of a stack by the loop's counter
     for v in eqn.outvars:
       env[v] = out
 

@@ -9,8 +9,9 @@ as the cotangent of ``c``, zeros where the forward statistics go followed by
 the same statistics of ``x``'s cotangent. Differentiating a function with
 respect to its carriers therefore returns, in the same pass and with no host
 callback, what every probed value and its cotangent looked like: inside
-``jit``, ``scan`` (one carrier row per iteration), ``checkpoint`` and
-``cond``, where side outputs cannot escape unless each level returns them
+``jit``, ``scan`` (one carrier row per iteration), ``checkpoint``, ``cond``
+and ``while`` (forward statistics only: it has no reverse-mode derivative),
+where side outputs cannot escape unless each level returns them
 (`jmp_lite._instrument` does).
 
 Which values are probed: module outputs marked by `tap` (what

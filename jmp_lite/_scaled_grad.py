@@ -37,8 +37,8 @@ def _scaled_fun(fun, nums, has_aux, policy):
   """``scaled(loss_scale, *args) -> (scaled loss, (loss, aux))``, what is differentiated."""
   def scaled(loss_scale, *args, **kwargs):
     if policy is not None:
-      args = tuple(policy.cast_to_compute(a) if i in nums else a
-                   for i, a in enumerate(args))
+      args = tuple(policy.cast_to_compute(a) if i in nums or i - len(args) in nums
+                   else a for i, a in enumerate(args))
     out = fun(*args, **kwargs)
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):

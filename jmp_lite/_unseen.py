@@ -17,7 +17,6 @@ from typing import Callable, Optional
 
 from jmp_lite import _internals
 from jmp_lite import _probes
-from jmp_lite._dtypes import is_floating
 from jmp_lite._engine import UncoveredMatmulWarning
 
 _WHY = {
@@ -38,11 +37,8 @@ def _bodies(eqn):
         yield body
 
 
-def count(jaxpr, where: str, choose: Optional[Callable], join: Callable,
-          ops: bool = False) -> tuple[int, int]:
-  """``(fp8 matmuls, telemetry marks)`` anywhere inside ``jaxpr``; with
-  ``ops`` (telemetry's ``"ops"`` mode), every floating result counts as a
-  mark."""
+def count(jaxpr, where: str, choose: Optional[Callable], join: Callable) -> tuple[int, int]:
+  """``(fp8 matmuls, telemetry marks)`` anywhere inside ``jaxpr``."""
   fp8 = marks = 0
   for eqn in jaxpr.eqns:
     inner = join(where, str(eqn.source_info.name_stack))
@@ -51,25 +47,23 @@ def count(jaxpr, where: str, choose: Optional[Callable], join: Callable,
       continue
     if choose is not None and choose(eqn, inner)[0] is not None:
       fp8 += 1
-    bodies = list(_bodies(eqn))
-    if ops and not bodies:
-      marks += sum(1 for v in eqn.outvars if is_floating(v.aval))
-    for body in bodies:
-      f, m = count(body, inner, choose, join, ops)
+    for body in _bodies(eqn):
+      f, m = count(body, inner, choose, join)
       fp8, marks = fp8 + f, marks + m
   return fp8, marks
 
 
 def warn(eqn, where: str, choose: Optional[Callable], join: Callable,
          mode: Optional[str], shown: str, bodies=None) -> None:
-  """Warns if ``eqn``, run as written, holds fp8 matmuls or values telemetry
-  in ``mode`` measures (in ``bodies``: by default all it holds); ``shown``
-  is its module path, for the message."""
+  """Warns if ``eqn``, run as written, holds fp8 matmuls or (telemetry's
+  ``mode`` ``"modules"``) telemetry marks (in ``bodies``: by default all it
+  holds); ``shown`` is its module path, for the message. (``"ops"`` mode
+  measures such an equation's outputs.)"""
   fp8 = marks = 0
   for body in (_bodies(eqn) if bodies is None else bodies):
-    f, m = count(body, where, choose, join, ops=mode == "ops")
+    f, m = count(body, where, choose, join)
     fp8, marks = fp8 + f, marks + m
-  marks = marks if mode is not None else 0
+  marks = marks if mode == "modules" else 0
   if not (fp8 or marks):
     return
   frames = _internals.user_frames(eqn)
@@ -77,8 +71,7 @@ def warn(eqn, where: str, choose: Optional[Callable], join: Callable,
             else "unknown source")
   what = " and ".join(
       ([f"{fp8} matmul(s) the policy puts in fp8 run unquantised"] if fp8 else [])
-      + ([f"{marks} value(s) telemetry's 'ops' mode measures are not measured"
-          if mode == "ops" else f"{marks} telemetry mark(s) report zeros"] if marks else []))
+      + ([f"{marks} telemetry mark(s) report zeros"] if marks else []))
   name = eqn.primitive.name
   warnings.warn(
       f"jmp_lite: inside {name!r} at {source} (in {shown or 'the top level'}), {what}: "

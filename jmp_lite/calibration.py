@@ -16,11 +16,12 @@ scopes to keep in float32.
 Values inside ``jit``, ``remat`` and ``scan`` bodies are measured where they
 are computed (a scanned stack of layers: each scope over all its
 iterations); ``custom_jvp``/``custom_vjp``, ``cond`` and ``while`` bodies at
-their outputs only. A value computed only from ``stop_gradient`` outputs
-(a frozen teacher) is measured on the forward pass, and its cotangent is
-zero, as no gradient reaches it in training. A value at its dtype's
-largest magnitude (the ``jnp.finfo(dtype).min`` attention masks with) is a
-fill value, not an activation, and is not counted.
+their outputs only. A value computed only from the batch or from
+``stop_gradient`` outputs (a frozen teacher) is measured on the forward
+pass, and its cotangent is zero, as no gradient reaches it in training. A
+value at its dtype's largest magnitude (the ``jnp.finfo(dtype).min``
+attention masks with) is a fill value, not an activation, and is not
+counted.
 
 Every intermediate is held at once, so calibrate on one batch of the size
 you train with, not on a larger one.
@@ -138,10 +139,10 @@ def _points(jaxpr, key=(), outer="", lengths=(), dead=()):
   equation indices and then the output index, and ``shape`` has a leading
   axis per enclosing ``scan``.
 
-  ``live`` is False for a value computed only from ``stop_gradient``
-  outputs (``dead``: which of ``jaxpr``'s inputs are): no gradient reaches
-  it in training, and perturbing it would differentiate what it flows into
-  (a ``while`` loop under a teacher's ``stop_gradient`` cannot be)."""
+  ``live`` is False for a value computed only from ``dead`` inputs (which
+  of ``jaxpr``'s are: the batch) or ``stop_gradient`` outputs: no gradient
+  reaches it in training, and perturbing it would differentiate what it
+  flows into (a teacher's ``while`` loop cannot be)."""
   found = []
   gone = {v for v, d in zip(jaxpr.invars, dead) if d}
   is_dead = lambda v: isinstance(v, _internals.core.Var) and v in gone
@@ -337,10 +338,12 @@ def calibrate(
   # Every floating output of every equation, in the bodies of jit, remat and
   # scan too, gets a zero added to it: the gradient with respect to that
   # zero is the value's cotangent.
-  points = _points(jaxpr)
-  zeros = [jnp.zeros(shape, dtype) if live else None for _, shape, dtype, _, live in points]
+  # (Not a value computed only from the batch, or through stop_gradient:
+  # no gradient reaches it in training.)
   flat_in = jax.tree_util.tree_leaves((params, arrays))
   n_params = len(jax.tree_util.tree_leaves(params))
+  points = _points(jaxpr, dead=[False] * n_params + [True] * (len(flat_in) - n_params))
+  zeros = [jnp.zeros(shape, dtype) if live else None for _, shape, dtype, _, live in points]
 
   def run(perturb, diff_in, rest_in):
     out, seen = _evaluate(jaxpr, closed.consts, [*diff_in, *rest_in], (),

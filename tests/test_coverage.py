@@ -65,14 +65,14 @@ def _shard_map(x, w):
 
 
 # Each runs `_inner` inside one primitive. A while loop has no reverse-mode
-# derivative: its operands are behind stop_gradient (a teacher's loop).
+# derivative: it reads the batch and a frozen weight (a teacher's loop).
 PRIMITIVES = {
     "jit": lambda x, w: jax.jit(_inner)(x, w),
     "scan": lambda x, w: jax.lax.scan(lambda c, _: (_inner(c, w), None), x, None,
                                       length=2)[0],
     "while": lambda x, w: jax.lax.while_loop(
         lambda s: s[0] < 2, lambda s: (s[0] + 1, _inner(s[1], s[2]), s[2]),
-        (0, jax.lax.stop_gradient(x), jax.lax.stop_gradient(w)))[1],
+        (0, x, jax.lax.stop_gradient(w)))[1],
     "cond": lambda x, w: jax.lax.cond(jnp.sum(x) < jnp.inf, lambda a: _inner(a, w),
                                       lambda a: a, x),
     "remat": lambda x, w: jax.checkpoint(_inner)(x, w),
@@ -84,8 +84,22 @@ PRIMITIVES = {
 
 def _loss(name):
   run = PRIMITIVES[name]
-  # x in the dtype the policy gave w (a bf16 step's activations are bf16).
-  return lambda w, x: jnp.sum(run(x.astype(w.dtype), w).astype(jnp.float32) ** 2)
+
+  def loss(w, x):
+    # x in the dtype the policy gave w (a bf16 step's activations are bf16).
+    with jax.named_scope("outer"):  # the primitive's outputs: "outer" alone
+      y = run(x.astype(w.dtype), w)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+  return loss
+
+
+def _reach(scopes: dict) -> str:
+  """``yes`` if a value inside the primitive was measured, ``outputs`` if
+  only its results were, else ``no``; ``scopes`` maps a path to its largest
+  measured value."""
+  if any(v > 0 for k, v in scopes.items() if "inner" in k):
+    return "yes"
+  return "outputs" if any(v > 0 for k, v in scopes.items() if k == "outer") else "no"
 
 
 def _args():
@@ -127,10 +141,9 @@ def telemetry(name):
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     stats = jax.jit(lambda w, x: vg(w, x, loss_scale=ONE)[-1])(w, x)
-  seen = [float(jnp.max(m.forward_max)) for k, m in stats.modules.items() if "inner" in k]
-  if seen and max(seen) > 0:
-    return "yes"
-  return "warns" if _warned(record) else "no"
+  reached = _reach({k.split("#")[0]: float(jnp.max(m.forward_max))
+                    for k, m in stats.modules.items()})
+  return "warns" if reached != "yes" and _warned(record) else reached
 
 
 def fp8(name):
@@ -151,7 +164,7 @@ def fp8(name):
 def calibrate(name):
   w, x = _args()
   cal = jmp_lite.calibrate(_loss(name), w, x, policy="p=f32,c=f16,o=f32")
-  return "yes" if any("inner" in k for k in cal.scopes) else "outputs"
+  return _reach({k: s.max_activation for k, s in cal.scopes.items()})
 
 
 def audit(name):

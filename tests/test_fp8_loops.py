@@ -152,3 +152,33 @@ def test_layers_over_depth_each_with_a_loop_over_time():
     state = jmp_lite.fp8.init(loss, params, x)
     assert {k: v.lhs.scale.shape for k, v in state.sites.items()} == {
         "layers/rnn/cell/i": (2,), "layers/rnn/cell/h": (2,)}
+
+
+def test_a_fori_loop_over_a_weight_stack_keeps_a_state_per_layer():
+  """``fori_loop`` reading ``ws[i]`` is a stack of layers too (the counter
+  is carried, the stack closed over); one reading ``xs[i]`` against closed
+  over weights is a loop over time. Oracle: the rhs maxima of ``lax.scan``
+  over the same stack, layer by layer."""
+  ws = jnp.stack([jnp.eye(8) * s for s in (2.0, 20.0, 200.0)])
+  x = jnp.full((4, 8), 0.5)
+  xs = jnp.ones((5, 4, 8))
+
+  def run(ws, x, how):
+    with jax.named_scope("mlp"):
+      if how == "fori":
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ ws[i]), x)
+      if how == "scan":
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+      return jax.lax.fori_loop(0, 5, lambda i, h: jnp.tanh(xs[i] @ ws[0] + h @ ws[1]), x)
+
+  got = {}
+  for how in ("fori", "scan", "time"):
+    loss = lambda ws, x: jnp.sum(run(ws, x, how))
+    state = jmp_lite.fp8.init(loss, ws, x, select="mlp.*")
+    got[how] = {k: v.lhs.scale.shape for k, v in state.sites.items()}
+    if how != "time":
+      new = jmp_lite.value_and_grad(loss)(ws, x, loss_scale=ONE, fp8=state)[-1]
+      got[how + " rhs"] = new.sites["mlp"].rhs.amax_history[:, 0].tolist()
+  assert got["fori"] == got["scan"] == {"mlp": (3,)}
+  assert got["fori rhs"] == got["scan rhs"] == [2.0, 20.0, 200.0]
+  assert got["time"] == {"mlp": (), "mlp#2": ()}

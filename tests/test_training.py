@@ -234,3 +234,21 @@ def test_minimize_refuses_params_that_left_the_policy_param_dtype():
   with pytest.raises(TypeError, match=r"TrainState.minimize: parameter \['w'\] is "
                      r"bfloat16\[3, 2\], but the policy keeps parameters in float32"):
     jax.jit(lambda s: s.minimize(loss))(bad)
+
+
+@pytest.mark.parametrize("telemetry", [None, "ops"])
+def test_negative_argnums_name_the_same_argument(telemetry):
+  """``argnums=-1`` is the last argument, as in `jax.value_and_grad`: cast to
+  the compute dtype and differentiated alike (it failed with telemetry)."""
+  def loss(x, w):
+    with jax.named_scope("m"):
+      return jnp.sum((x @ w) ** 2)
+
+  x, w = jnp.full((2, 3), 1.001), jnp.full((3, 3), 1.001)  # not exact in bf16
+  kw = {} if telemetry is None else {"telemetry": jmp_lite.Telemetry(mode=telemetry)}
+  one = jmp_lite.StaticLossScale(1.0)
+  last, second = (jmp_lite.value_and_grad(loss, argnums=a, policy="p=f32,c=bf16,o=f32",
+                                          **kw)(x, w, loss_scale=one) for a in (-1, 1))
+  chex.assert_trees_all_equal(last, second)
+  plain = jmp_lite.value_and_grad(loss, argnums=1, **kw)(x, w, loss_scale=one)
+  assert float(jnp.max(jnp.abs(last[1] - plain[1]))) > 0  # the policy did cast

@@ -478,8 +478,10 @@ class _Sowing(nnx.Module):
     return self.l2(h)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", POLICIES + ("p=bf16,c=bf16,o=f32",))
 def test_nnx_sow_under_wrap_records_as_the_model_does(policy):
+  """Records land on the model the wrapper runs: the caller's, or the
+  converted copy it holds (``p=bf16``), as the parameters do."""
   x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 4)), jnp.float32)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -489,7 +491,8 @@ def test_nnx_sow_under_wrap_records_as_the_model_does(policy):
     out = [wrapped(x) for _ in range(2)]
   recorded = wrapped.module.l1_out.get_value()
   assert len(recorded) == len(model.l1_out.get_value()) == 2  # one per call
-  half = {"bf16": jnp.bfloat16, "f16": jnp.float16}.get(HALF.get(policy), jnp.float32)
+  half = {"bf16": jnp.bfloat16, "f16": jnp.float16}.get(
+      HALF.get(policy, "bf16" if "c=bf16" in policy else None), jnp.float32)
   assert all(r.dtype == half and r.shape == (3, 8) for r in recorded)
   if policy == "f32":
     chex.assert_trees_all_equal(out, ref)
@@ -530,3 +533,28 @@ def test_explicit_float32_stays_unless_the_policy_decides_by_operation():
   for r in (pco, o1):
     assert [row.operand_dtypes for row in r.select(primitive="exp")] == [
         (np.dtype(np.float32),)]
+
+
+def test_float16_products_asking_for_float32_keep_jaxs_derivative():
+  """A bf16 product with ``preferred_element_type=float32`` becomes the
+  engine's (its backward products bf16 x bf16 -> f32); a float16 one keeps
+  JAX's derivative (float32 cotangent x f16 operand): its cotangent, here
+  above 65504, would overflow rounded to f16. Oracle: plain JAX."""
+  row = np.random.default_rng(5).normal(size=8)
+  # Rows that nearly cancel: the logits' cotangent is 1e5 (above 65504) and
+  # h's, 1e5 times a column sum of x, 5000 (within float16).
+  x = jnp.asarray(np.stack([row, -row, row + 0.05, -row]), jnp.float32)
+  w = jnp.asarray(np.random.default_rng(6).normal(size=(8, 8)), jnp.float32)
+
+  def loss(w, x):
+    h = x.astype(w.dtype) @ w
+    logits = jnp.einsum("bd,cd->bc", h, x.astype(w.dtype),
+                        preferred_element_type=jnp.float32)
+    return jnp.sum(logits) * 1e5
+
+  with jax.numpy_dtype_promotion("standard"):
+    _, grads, finite = jmp_lite.value_and_grad(loss, policy="p=f32,c=f16,o=f32")(
+        w, x, loss_scale=jmp_lite.StaticLossScale(1.0))
+    want = jax.grad(loss)(w.astype(jnp.float16), x).astype(jnp.float32)
+  assert bool(finite)
+  np.testing.assert_allclose(grads, want, rtol=2e-2)
