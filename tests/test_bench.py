@@ -23,6 +23,7 @@ if ROOT not in sys.path:  # `bench` is a package at the repository root
 
 from bench import harness  # noqa: E402
 from bench import machine  # noqa: E402
+from bench import models  # noqa: E402
 from bench import plan as plan_lib  # noqa: E402
 
 # The heavy tier (the bench's dry run, section by section): `pytest -m slow`.
@@ -123,9 +124,9 @@ def test_dry_runs_cpu_and_gpu_plans(dry_runs):
   targets = _check_common(md, data, text, stderr, "gpu")
   plan = data["meta"]["plan"]
   assert plan["assumed"] and plan["bf16_units"] and plan["tf32_baseline"]
-  # The TF32 baseline: a row in both step tables, traced with TF32 allowed
-  # (its compiled float32 dots carry precision "high").
-  assert md.count(TF32_ROW) == 2
+  # The TF32 baseline: a row in every workload's step table, traced with
+  # TF32 allowed (its compiled float32 dots carry precision "high").
+  assert md.count(TF32_ROW) == len(models.WORKLOADS)
   for line in md.splitlines():
     if line.startswith(TF32_ROW):
       assert "f32·f32→f32 (high)" in line, line
