@@ -54,32 +54,20 @@ BF16 = jnp.bfloat16
 
 
 class MLP(nn.Module):
-  """Dense layers of the given output widths, ReLU between them."""
+  """Dense layers of the given output widths, ReLU between them (with
+  ``layer_norm``: a LayerNorm, then GELU)."""
 
   widths: tuple[int, ...]
   dtype: Any = None
+  layer_norm: bool = False
 
   @nn.compact
   def __call__(self, x):
     for i, width in enumerate(self.widths):
       x = nn.Dense(width, dtype=self.dtype, name=f"dense{i}")(x)
       if i < len(self.widths) - 1:
-        x = nn.relu(x)
-    return x
-
-
-class MLPLayerNorm(nn.Module):
-  """Dense layers of the given output widths, each followed by LayerNorm and GELU."""
-
-  widths: tuple[int, ...]
-  dtype: Any = None
-
-  @nn.compact
-  def __call__(self, x):
-    for i, width in enumerate(self.widths):
-      x = nn.Dense(width, dtype=self.dtype, name=f"dense{i}")(x)
-      if i < len(self.widths) - 1:
-        x = nn.gelu(nn.LayerNorm(dtype=self.dtype, name=f"ln{i}")(x))
+        x = (nn.gelu(nn.LayerNorm(dtype=self.dtype, name=f"ln{i}")(x))
+             if self.layer_norm else nn.relu(x))
     return x
 
 
@@ -285,22 +273,14 @@ def _linear(ops, x, p, dtype):
 
 
 def hand_mlp(params, x, ops: HandOps, dtype=BF16):
-  h = x.astype(dtype)
-  n = len(params)
-  for i in range(n):
-    h = _linear(ops, h, params[f"dense{i}"], dtype)
-    if i < n - 1:
-      h = jax.nn.relu(h)
-  return h.astype(F32)
-
-
-def hand_mlp_ln(params, x, ops: HandOps, dtype=BF16):
+  """`MLP` by hand; its LayerNorm variant where the parameters have ``ln0``."""
   h = x.astype(dtype)
   n = sum(1 for k in params if k.startswith("dense"))
   for i in range(n):
     h = _linear(ops, h, params[f"dense{i}"], dtype)
     if i < n - 1:
-      h = jax.nn.gelu(_layer_norm(h, params[f"ln{i}"], dtype), approximate=True)
+      h = (jax.nn.gelu(_layer_norm(h, params[f"ln{i}"], dtype), approximate=True)
+           if "ln0" in params else jax.nn.relu(h))
   return h.astype(F32)
 
 
@@ -426,8 +406,8 @@ def mlp_ln(size="full") -> Workload:
       name="mlp_ln",
       description=(f"MLP with LayerNorm: {layers} Dense layers {width}->{width}, "
                    f"each LayerNorm + GELU, batch {batch}, {width} classes"),
-      module=lambda dtype: MLPLayerNorm(widths, dtype=dtype),
-      hand_apply=hand_mlp_ln,
+      module=lambda dtype: MLP(widths, dtype=dtype, layer_norm=True),
+      hand_apply=hand_mlp,
       x_shape=(batch, width), num_classes=width)
 
 
