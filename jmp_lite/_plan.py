@@ -179,10 +179,10 @@ def _mark_shared(eqn, child: Plan) -> None:
   neither operand is loop-invariant: a scanned stack of layers, each with its
   own weights (Flax's ``nn.scan`` with ``variable_axes={"params": 0}``, or a
   ``fori_loop`` reading ``ws[i]``: an invariant array indexed by the carried
-  counter is a scanned input too). One
-  for the whole loop otherwise: a cell scanned over time, whose weights are
-  closed over and whose inputs are carried or sliced from a sequence, so
-  its state does not depend on the sequence's length.
+  counter is a scanned input too). One for the whole loop otherwise: a cell
+  scanned over time, whose weights are closed over and whose inputs are
+  carried or sliced from a sequence, so its state does not depend on the
+  sequence's length.
   """
   p = eqn.params
   nc, nk = p["num_consts"], p["num_carry"]
