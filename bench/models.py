@@ -385,30 +385,22 @@ def _size_key(size) -> str:
   return size
 
 
-def mlp(size="full") -> Workload:
-  """The MLP at ``size``: a key of `MLP_SIZES` (or ``True`` for "quick")."""
+def mlp(size="full", layer_norm: bool = False) -> Workload:
+  """The MLP at ``size``: a key of `MLP_SIZES` (or ``True`` for "quick");
+  with ``layer_norm``, the ``mlp_ln`` workload."""
   batch, width, layers = MLP_SIZES[_size_key(size)]
   widths = (width,) * layers
+  between = "each LayerNorm + GELU" if layer_norm else "ReLU"
   return Workload(
-      name="mlp",
-      description=(f"MLP: {layers} Dense layers {width}->{width} (ReLU), "
-                   f"batch {batch}, {width} classes"),
-      module=lambda dtype: MLP(widths, dtype=dtype),
+      name="mlp_ln" if layer_norm else "mlp",
+      description=(f"MLP{' with LayerNorm' if layer_norm else ''}: {layers} Dense "
+                   f"layers {width}->{width} ({between}), batch {batch}, {width} classes"),
+      module=lambda dtype: MLP(widths, dtype=dtype, layer_norm=layer_norm),
       hand_apply=hand_mlp,
       x_shape=(batch, width), num_classes=width)
 
 
-def mlp_ln(size="full") -> Workload:
-  """The MLP with LayerNorm and GELU, at ``size`` (`MLP_SIZES`)."""
-  batch, width, layers = MLP_SIZES[_size_key(size)]
-  widths = (width,) * layers
-  return Workload(
-      name="mlp_ln",
-      description=(f"MLP with LayerNorm: {layers} Dense layers {width}->{width}, "
-                   f"each LayerNorm + GELU, batch {batch}, {width} classes"),
-      module=lambda dtype: MLP(widths, dtype=dtype, layer_norm=True),
-      hand_apply=hand_mlp,
-      x_shape=(batch, width), num_classes=width)
+mlp_ln = functools.partial(mlp, layer_norm=True)
 
 
 def transformer(size="full") -> Workload:
