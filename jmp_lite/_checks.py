@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -9,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
+from jmp_lite import _elementwise
 from jmp_lite import _exact
 from jmp_lite import _reduce
-from jmp_lite import loss_scale as ls_lib
-from jmp_lite._unscale import apply_updates
 from jmp_lite._dtypes import is_inexact
 
 
@@ -38,23 +39,57 @@ def grads_match_params(grads: Any, params: Any) -> None:
           f"{np.shape(g)} but its parameter has shape {np.shape(p)}.")
 
 
-def written_nonfinite(updates: Any, params: Any, inner_state: Any, old_state: Any):
+def written_nonfinite(updates: Any, params: Any, inner_state: Any, old_state: Any,
+                      finite: jax.Array):
   """Whether the updates, the new parameters and ``inner_state`` make a value non-finite.
 
   What is refused is a value that was finite becoming NaN or inf. Some
   optimizers keep inf in their state on purpose (``reduce_on_plateau``'s best
   value, lbfgs's previous value before the first step), and a parameter that
-  was already non-finite is not this step's doing. Each flag is one pass,
-  with one reduction per distinct shape (`jmp_lite._reduce`) and no
-  conditional: a `cond` around the rare comparison compiled its reductions
-  all the same and kept XLA from fusing the check with the update.
+  was already non-finite is not this step's doing. Without ``params``, any
+  non-finite update counts.
+
+  Two reductions per group of same-shape arrays, no branch: one for the
+  state, one for the updates and the new parameters together. Where a
+  parameter is finite, a non-finite update makes ``p + u`` non-finite too, so
+  each element's code is 2 (the update), 1 (only ``p + u``) or 0, and the
+  largest code gives both flags. The flags are combined with ``finite`` (the
+  gradients'; the results are only meaningful where it holds) inside one
+  fenced computation (`jmp_lite._reduce.fenced`).
   """
-  if params is None:
-    return ~ls_lib.all_finite(updates), jnp.array(False), _newly_nonfinite(
-        inner_state, old_state)
-  new_params = apply_updates(params, updates)
-  return (_newly_nonfinite(updates, params), _newly_nonfinite(new_params, params),
-          _newly_nonfinite(inner_state, old_state))
+  leaves_p = [None] * len(jax.tree.leaves(updates)) if params is None else [
+      p for p in jax.tree.leaves(params, is_leaf=lambda x: x is None)]
+  pairs = [(u, p) for u, p in zip(jax.tree.leaves(updates, is_leaf=lambda x: x is None),
+                                  leaves_p)
+           if u is not None and is_inexact(u) and (p is None or is_inexact(p))]
+
+  def code(u, p):
+    bad_u = lax.bitwise_not(_elementwise.isfinite(_exact.widen(u)))
+    if p is None:
+      return _elementwise.where(bad_u, lax.full_like(bad_u, 2, jnp.int8), 0)
+    was = _elementwise.isfinite(_exact.widen(p))
+    bad_p = lax.bitwise_not(_elementwise.isfinite(
+        _exact.widen(_elementwise.add_rounded(p, u))))
+    code = _elementwise.where(bad_u, lax.full_like(bad_u, 2, jnp.int8),
+                              _elementwise.cast(bad_p, jnp.int8))
+    return _elementwise.where(was, code, 0)
+
+  codes = _reduce.partials(pairs, lambda pair: code(*pair), lax.max, _reduce.largest,
+                           shape_of=lambda pair: np.shape(pair[0]))
+  state = _reduce.partials(
+      [(n, o) for n, o in zip(jax.tree.leaves(inner_state), jax.tree.leaves(old_state))
+       if is_inexact(n)],
+      lambda pair: lax.bitwise_and(lax.bitwise_not(_elementwise.isfinite(_exact.widen(pair[0]))),
+                                   _elementwise.isfinite(_exact.widen(pair[1]))),
+      lax.bitwise_or, _reduce.anywhere, shape_of=lambda pair: np.shape(pair[0]))
+
+  def decide(parts):
+    codes, state, finite = parts
+    top = functools.reduce(jnp.maximum, codes, jnp.int8(0))
+    s_bad = functools.reduce(jnp.logical_or, state, jnp.array(False))
+    return (top == 2) & finite, (top >= 1) & (params is not None) & finite, s_bad & finite
+
+  return _reduce.fenced(decide, (codes, state, finite))
 
 
 def raise_if_stalled(stalled, limit: int, updates, params, new_state, old_state) -> None:
@@ -96,19 +131,6 @@ def raise_if_stalled(stalled, limit: int, updates, params, new_state, old_state)
                lambda: jax.debug.callback(report, stalled, updates, params, new_state,
                                           old_state),
                lambda: None)
-
-
-def _newly_nonfinite(new: Any, old: Any) -> jax.Array:
-  """Whether an element of ``new`` is NaN or inf where ``old`` is finite.
-
-  One reduction per distinct shape (`jmp_lite._reduce`). Read through
-  `_exact.widen`: what the narrow dtype holds, not a float32 value XLA:GPU
-  may have kept in its place.
-  """
-  pairs = [(n, o) for n, o in zip(jax.tree.leaves(new), jax.tree.leaves(old))
-           if is_inexact(n)]
-  return _reduce.any_of_pairs(
-      pairs, lambda n, o: ~jnp.isfinite(_exact.widen(n)) & jnp.isfinite(_exact.widen(o)))
 
 
 def is_concrete(tree: Any, numbers: bool = True) -> bool:

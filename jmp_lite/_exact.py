@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _elementwise
 from jmp_lite._dtypes import wide_dtype
 
 # Narrow formats with IEEE semantics (an exponent field of all ones is inf or
@@ -186,11 +187,11 @@ def widen(x: jax.Array) -> jax.Array:
   ``reduce_precision`` so that ``SimplifyFPConversions`` cannot elide their
   rounding (jax-ml/jax#22244).
   """
-  x = jnp.asarray(x)
+  x = x if isinstance(x, jax.Array) else jnp.asarray(x)
   wide = wide_dtype(x.dtype)
   if np.dtype(x.dtype) not in _IEEE_NARROW + _FINITE_NARROW:
-    return x.astype(wide)
-  return round_to(x.astype(jnp.float32), x.dtype).astype(wide)
+    return _elementwise.cast(x, wide)
+  return _elementwise.cast(round_to(_elementwise.cast(x, jnp.float32), x.dtype), wide)
 
 
 def times_zero(x: jax.Array) -> jax.Array:

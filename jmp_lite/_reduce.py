@@ -28,12 +28,14 @@ hand, one partial result per array, 23 s).
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from jmp_lite import _elementwise
 
 
 # At most this many arrays in one reduction: XLA:CPU runs a fused loop over
@@ -43,16 +45,25 @@ import numpy as np
 GROUP = 8
 
 
-def _reduce(items, elementwise: Callable, combine: Callable, reduce: Callable, empty,
-            shape_of: Callable = np.shape):
-  """``reduce`` of ``elementwise(item)`` over ``items``: one ``reduce`` per shape."""
+def partials(items, elementwise: Callable, combine: Callable, reduce: Callable,
+             shape_of: Callable = np.shape) -> list:
+  """``reduce(elementwise(item))`` over groups of same-shape ``items``: one op each.
+
+  The partial results, one scalar per group, for a caller that combines them
+  with others inside one `fenced` computation.
+  """
   by_shape: dict[tuple, list] = {}
   for item in items:
     by_shape.setdefault(tuple(shape_of(item)), []).append(item)
   groups = [group[i:i + GROUP] for group in by_shape.values()
             for i in range(0, len(group), GROUP)]
-  parts = [reduce(functools.reduce(combine, map(elementwise, group)))
-           for group in groups]
+  return [reduce(functools.reduce(combine, map(elementwise, group))) for group in groups]
+
+
+def _reduce(items, elementwise: Callable, combine: Callable, reduce: Callable, empty,
+            shape_of: Callable = np.shape):
+  """``reduce`` of ``elementwise(item)`` over ``items``: one ``reduce`` per shape."""
+  parts = partials(items, elementwise, combine, reduce, shape_of)
   if not parts:
     return empty
   # Scalars: combined as scalars, not stacked and reduced (one op fewer).
@@ -65,7 +76,14 @@ FENCE_FROM = 4
 
 
 def _fenced(fn: Callable, parts: list):
-  """``fn(parts)``, computed once: inside a `cond` whose branches are both ``fn``.
+  """``fn(parts)``, fenced if there are `FENCE_FROM` partial results or more."""
+  if len(parts) < FENCE_FROM:
+    return fn(parts)
+  return fenced(fn, parts)
+
+
+def fenced(fn: Callable, operand: Any):
+  """``fn(operand)``, computed once: inside a `cond` whose branches are both ``fn``.
 
   XLA does not fuse across a conditional, so consumers read the result
   instead of recomputing it. The predicate is read from the data (any value
@@ -73,27 +91,46 @@ def _fenced(fn: Callable, parts: list):
   whose predicate is a constant, and one whose branches only pass their
   operand through.
   """
-  if len(parts) < FENCE_FROM:
-    return fn(parts)
-  first = jnp.asarray(jax.tree.leaves(parts[0])[0])
-  return jax.lax.cond(first != jnp.zeros((), first.dtype), fn, fn, parts)
+  first = jnp.asarray(jax.tree.leaves(operand)[0])
+  return jax.lax.cond(first != jnp.zeros((), first.dtype), fn, fn, operand)
+
+
+# Whole-array reductions and the element-by-element ops that combine a group,
+# as primitives: ``jnp.sum`` and friends are jitted functions, several times
+# dearer to trace, and a guarded step calls them for every array.
+
+
+def total(x: jax.Array) -> jax.Array:
+  """The sum of every element of ``x`` (0 for an empty ``x``)."""
+  return lax.reduce(x, np.zeros((), x.dtype), lax.add, tuple(range(np.ndim(x))))
+
+
+def largest(x: jax.Array) -> jax.Array:
+  """The largest element of ``x``: ``-inf`` for an empty float ``x``, the
+  smallest value for an integer one (a parameter with a 0 dimension has none)."""
+  low = -np.inf if np.issubdtype(x.dtype, np.floating) else np.iinfo(x.dtype).min
+  return lax.reduce(x, np.array(low, x.dtype), lax.max, tuple(range(np.ndim(x))))
+
+
+def anywhere(x: jax.Array) -> jax.Array:
+  """Whether any element of boolean ``x`` is True."""
+  return lax.reduce(x, np.array(False), lax.bitwise_or, tuple(range(np.ndim(x))))
 
 
 def sum_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
   """``sum(elementwise(x))`` over every element of every leaf, in ``dtype``."""
-  return _reduce(leaves, lambda x: elementwise(x).astype(dtype), operator.add,
-                 jnp.sum, jnp.zeros((), dtype))
+  return _reduce(leaves, lambda x: _elementwise.cast(elementwise(x), dtype), lax.add,
+                 total, jnp.zeros((), dtype))
 
 
 def max_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
   """``max(elementwise(x))`` over every element of every leaf (``-inf`` if none)."""
-  # `initial`: a zero-size leaf (a parameter with a 0 dimension) has no max.
-  return _reduce(leaves, lambda x: elementwise(x).astype(dtype), jnp.maximum,
-                 lambda x: jnp.max(x, initial=-jnp.inf), jnp.full((), -jnp.inf, dtype))
+  return _reduce(leaves, lambda x: _elementwise.cast(elementwise(x), dtype), lax.max,
+                 largest, jnp.full((), -jnp.inf, dtype))
 
 
 def any_of_pairs(pairs: Sequence[tuple[Any, Any]], elementwise: Callable) -> jax.Array:
   """Whether ``elementwise(a, b)`` holds anywhere, for same-shape pairs ``(a, b)``."""
-  return _reduce(pairs, lambda p: elementwise(*p), operator.or_, jnp.any,
+  return _reduce(pairs, lambda p: elementwise(*p), lax.bitwise_or, anywhere,
                  jnp.array(False), shape_of=lambda p: np.shape(p[0]))
 

@@ -22,7 +22,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from jmp_lite import _elementwise
 from jmp_lite import _exact
 from jmp_lite import _reduce
 from jmp_lite import loss_scale as ls_lib
@@ -75,13 +77,13 @@ def _normal_pair(factor: Factor, dtype) -> tuple[jax.Array, jax.Array]:
 def _abs2(g: jax.Array, dtype, pair=None) -> jax.Array:
   """``|g * a * b|**2`` elementwise in real ``dtype`` (both parts of complex ``g``)."""
   x = _exact.widen(g)
-  parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
-  out = 0
+  parts = (lax.real(x), lax.imag(x)) if jnp.iscomplexobj(x) else (x,)
+  out = None
   for p in parts:
-    p = p.astype(dtype)
+    p = _elementwise.cast(p, dtype)
     if pair is not None:
-      p = p * pair[0] * pair[1]
-    out = out + p * p
+      p = lax.mul(lax.mul(p, pair[0]), pair[1])
+    out = lax.mul(p, p) if out is None else lax.add(out, lax.mul(p, p))
   return out
 
 
@@ -93,14 +95,40 @@ class NormInfo(NamedTuple):
   clip_pair: tuple  # `clip` as two normal numbers of the norm's dtype
 
 
+def _downscale(dtype) -> int:
+  """``k`` such that ``sum((x * 2**-k)**2)`` stays finite for any finite ``x``.
+
+  Each square is at most ``2**(2 * (maxexp - k))``: ``2**80`` for float32
+  (``k = 88``), ``2**976`` for float64, so a sum of fewer than ``2**48``
+  elements cannot overflow.
+  """
+  return jnp.finfo(dtype).maxexp // 2 + 24
+
+
 def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   """Finiteness, unscaled global norm and unscale(-and-clip) factor of ``grads``.
 
-  The common case reads the gradients once: ``sum((g / scale)**2)`` is finite
-  only if every element is. Only when it is not (a NaN or inf, or a norm beyond
-  the square root of the largest float) does a second pass tell the two apart
-  exactly and compute the norm from gradients divided by their largest
-  magnitude, so that any finite norm is exact and clipping always works.
+  One read of the gradients, two sums per group of same-shape arrays, no
+  conditional branch:
+
+  * ``sum((g / scale)**2)``, the norm's square wherever it is finite;
+  * ``sum((g / scale * 2**-k)**2)`` (`_downscale`), which is finite exactly
+    when every unscaled gradient is finite: it decides finiteness, and gives
+    the norm where the first sum overflows (finite gradients beyond the square
+    root of the largest float). Squares it flushes to zero are below
+    ``2**-126`` each, and the norm's square is above ``2**-48`` there, so the
+    norm is exact to the dtype's rounding for fewer than ``2**48`` elements.
+
+  With a loss scale of 1 or more, the second sum is finite exactly when every
+  scaled gradient is. Below 1, unscaling can take finite gradients beyond the
+  dtype's range: gradients whose unscaled norm exceeds ``2**(maxexp / 2 + k)``
+  (``2**152`` in float32) count as an overflow, as no optimizer could use
+  them; below that their norm is inf and clipping still works.
+
+  Both sums are reduced in the same fused loops. Before, the common case read
+  the gradients once and a rare branch (a `cond`) read them three more times
+  to tell overflow from non-finite values; XLA compiles a branch whether or
+  not it runs, and that branch was most of the guard's compile time.
   """
   leaves = [g for g in jax.tree.leaves(grads) if is_scaled(g)]
   low = [g for g in jax.tree.leaves(grads) if is_inexact(g) and not is_scaled(g)]
@@ -115,64 +143,43 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
     finite = ls_lib.all_finite(low)
     zero = jnp.zeros((), dtype)
     return NormInfo(finite, zero, unscale, unscale, _normal_pair(unscale, dtype))
-  # 1/scale is subnormal for scales above 2**126: unscale in two steps.
+  k = _downscale(dtype)
+  # 1/scale is subnormal for scales above 2**126: unscale in two steps. The
+  # downscaled pair is computed from the scale, not a constant: XLA rewrites
+  # ``(g * c) * (g * c)`` with a constant ``c`` into ``g * g * (c * c)``, and
+  # ``c * c`` flushes to zero.
   inv = _normal_pair(unscale, dtype)
+  inv_down = _normal_pair(Factor(unscale.mantissa, unscale.exponent - k), dtype)
   # One reduction per distinct shape (`_reduce`), not one per leaf.
-  sq = _reduce.sum_of(leaves, lambda g: _abs2(g, dtype, inv), dtype)
+  fast = _reduce.partials(leaves, lambda g: _abs2(g, dtype, inv), lax.add, _reduce.total)
+  down = _reduce.partials(leaves, lambda g: _abs2(g, dtype, inv_down), lax.add,
+                          _reduce.total)
+  low_finite = ls_lib.all_finite(low) if low else jnp.array(True)
 
-  low_finite = ls_lib.all_finite(low) if low else None
-
-  def finish(finite, root, et, slow: bool) -> NormInfo:
-    """The norm and the factors from ``root``; inside the `cond`, so that the
+  def finish(parts) -> NormInfo:
+    """The norm and the factors from the partial sums; fenced, so that the
     scalars are computed once: XLA would fuse (and so duplicate) their few
     dozen scalar ops into every per-leaf computation that reads them."""
-    if low_finite is not None:
-      finite = finite & low_finite
-    # fast: the norm is `root` (already unscaled); slow: root * 2**et / scale.
-    r_m, r_e = _exact.frexp(root / ms if slow else root)
-    norm = _exact.ldexp(r_m, r_e + et - es if slow else r_e, dtype)
+    fast, down, low_finite = parts
+    sq, sq_down = sum(fast[1:], fast[0]), sum(down[1:], down[0])
+    finite = jnp.isfinite(sq_down) & low_finite
+    in_range = jnp.isfinite(sq)
+    root = jnp.sqrt(jnp.where(in_range, sq, sq_down))
+    # The unscaled norm is root * 2**et.
+    et = jnp.where(in_range, 0, k).astype(jnp.int32)
+    r_m, r_e = _exact.frexp(root)
+    norm = _exact.ldexp(r_m, r_e + et, dtype)
     if clip_norm is None:
       clip = unscale
     else:
-      # unscale * clip_norm / norm: fast = (c / root) / scale; slow = (c / root) / 2**et.
+      # unscale * clip_norm / norm = (c / root) * 2**-et / scale.
       q_m, q_e = _exact.frexp(jnp.asarray(clip_norm, dtype) / jnp.where(root > 0, root, 1))
-      clip_m, clip_e = (q_m, q_e - et) if slow else (q_m / ms, q_e - es)
       active = finite & (norm > clip_norm)
-      clip = Factor(jnp.where(active, clip_m, unscale.mantissa),
-                    jnp.where(active, clip_e, unscale.exponent))
+      clip = Factor(jnp.where(active, q_m / ms, unscale.mantissa),
+                    jnp.where(active, q_e - es - et, unscale.exponent))
     return NormInfo(finite, norm, unscale, clip, _normal_pair(clip, dtype))
 
-  def fast():
-    # sqrt(sq) is the unscaled norm. The exponent 0 is derived from `sq`
-    # rather than a constant so that it varies over shard_map axes as
-    # `slow`'s does.
-    return finish(jnp.isfinite(sq), jnp.sqrt(sq), jnp.isnan(sq).astype(jnp.int32),
-                  slow=False)
-
-  def slow():
-    finite = ls_lib.all_finite(leaves)
-    top = _reduce.max_of(leaves, lambda g: _abs_parts(g, dtype), dtype)
-    top = jnp.where(finite & (top > 0), top, 1)
-    _, et = _exact.frexp(top)  # every |component| / 2**et <= 1
-    half = et // 2  # 2**-et in two exact steps, each a normal number
-    root = jnp.sqrt(_scaled_sumsq(leaves, dtype, half, et - half))
-    return finish(finite, root, et, slow=True)
-
-  return jax.lax.cond(~jnp.isfinite(sq), slow, fast)
-
-
-def _abs_parts(g: jax.Array, dtype) -> jax.Array:
-  """Elementwise the larger magnitude of ``g``'s real and imaginary parts."""
-  x = _exact.widen(g)
-  if jnp.iscomplexobj(x):
-    return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x))).astype(dtype)
-  return jnp.abs(x).astype(dtype)
-
-
-def _scaled_sumsq(leaves, dtype, e1, e2):
-  """``sum(|g * 2**-(e1 + e2)|**2)`` over ``leaves``, each factor a normal power of two."""
-  pair = (_exact.pow2(-e1, dtype), _exact.pow2(-e2, dtype))
-  return _reduce.sum_of(leaves, lambda g: _abs2(g, dtype, pair), dtype)
+  return _reduce.fenced(finish, (fast, down, low_finite))
 
 
 # What the inner optimizer of `with_loss_scale` sees.
@@ -207,7 +214,8 @@ def grads_for_inner(grads: Any, info: NormInfo) -> Any:
       pairs[real] = _normal_pair(info.clip, real)
     a, b = pairs[real]
     wide = wide_dtype(g.dtype)
-    return _exact.widen(g) * a.astype(wide) * b.astype(wide)
+    return lax.mul(lax.mul(_exact.widen(g), _elementwise.cast(a, wide)),
+                   _elementwise.cast(b, wide))
   return jax.tree.map(one, grads)
 
 
@@ -239,7 +247,8 @@ def strongly_typed(tree: Any) -> Any:
 
 def cast_like(new: Any, old: Any) -> Any:
   """``new`` in ``old``'s dtypes: a state must keep its types across a step."""
-  return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
+  return jax.tree.map(lambda n, o: _elementwise.cast(jnp.asarray(n), jnp.asarray(o).dtype),
+                      new, old)
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
@@ -251,7 +260,6 @@ def apply_updates(params: Any, updates: Any) -> Any:
   ``jax_numpy_dtype_promotion="strict"``, where ``optax.apply_updates``
   rejects a float32 update for a bfloat16 parameter.
   """
-  with jax.numpy_dtype_promotion("standard"):
-    return jax.tree.map(
-        lambda p, u: None if p is None else jnp.asarray(p + u).astype(jnp.asarray(p).dtype),
-        params, updates, is_leaf=lambda x: x is None)
+  return jax.tree.map(
+      lambda p, u: None if p is None else _elementwise.add_rounded(p, u),
+      params, updates, is_leaf=lambda x: x is None)

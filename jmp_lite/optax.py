@@ -50,6 +50,7 @@ import numpy as np
 import optax
 
 from jmp_lite import _checks
+from jmp_lite import _elementwise
 from jmp_lite import _guard_state
 from jmp_lite._guard_state import LossScaleState
 from jmp_lite._guard_state import NonFinite
@@ -114,6 +115,17 @@ def _fp8_step_end(fp8, old_scale, new_scale):
   factor = (jnp.asarray(new_scale.loss_scale, jnp.float32)
             / jnp.asarray(old_scale.loss_scale, jnp.float32))
   return fp8.commit().rescale_gradients(factor)
+
+
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+  """``jnp.where(pred, new, old)`` for one leaf; primitives for floating arrays
+  (`jmp_lite._elementwise`: tracing cost), ``jnp.where`` for anything else."""
+  if (isinstance(new, jax.Array) and is_inexact(new)
+      and (not isinstance(old, jax.Array) or old.dtype == new.dtype)):
+    return _elementwise.where(pred, new, old)
+  if not isinstance(old, jax.Array) and np.ndim(old) == 0:  # -0.0 for an int update: 0
+    old = jnp.full_like(new, old)
+  return jnp.where(pred, new, old)
 
 
 def _no_op_updates(update_fn) -> Any:
@@ -330,9 +342,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     if check_results:
       # Only meaningful where the gradients were finite (else False).
       u_bad, p_bad, s_bad = _checks.written_nonfinite(
-          updates, params, inner_state, state.inner_state)
-      bad = bad._replace(updates=u_bad & finite, params=p_bad & finite,
-                         opt_state=s_bad & finite)
+          updates, params, inner_state, state.inner_state, finite)
+      bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)
       applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
       if axis_name is not None:
         applied = jax.lax.psum((~applied).astype(jnp.int32), axis_name) == 0
@@ -343,9 +354,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     if max_stalled_steps is not None:
       _checks.raise_if_stalled(stalled, max_stalled_steps, updates, params,
                                inner_state, state.inner_state)
-    updates = jax.tree.map(lambda u: jnp.where(applied, u, jnp.full_like(u, -0.0)),
-                           updates)
-    inner_state = jax.tree.map(lambda n, o: jnp.where(applied, n, o),
+    updates = jax.tree.map(lambda u: _select(applied, u, -0.0), updates)
+    inner_state = jax.tree.map(lambda n, o: _select(applied, n, o),
                                inner_state, state.inner_state)
     dtype = state.grad_norm.dtype
     norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)

@@ -16,6 +16,7 @@ import pytest
 import jmp_lite
 from jmp_lite import optax as jo
 from jmp_lite.testing import assert_trees_bitwise_equal, count_compilations
+from jaxprs import equations
 
 
 class _MLP(nn.Module):
@@ -279,3 +280,91 @@ def test_the_stall_count_resets_and_can_be_unbounded():
   for bad in (0, -1, 2.5, True):
     with pytest.raises(ValueError, match="max_stalled_steps"):
       jo.with_loss_scale(optax.sgd(1.0), loss_scale, max_stalled_steps=bad)
+
+
+@pytest.mark.usefixtures("standard_promotion")  # optax's Adam: b1 ** count
+def test_no_branch_of_the_guard_reads_an_array():
+  """The guard's only conditionals are fences around scalar arithmetic: no
+  rarely taken branch reads the gradients or the optimizer's results. XLA
+  compiles a branch whether or not it runs; the norm's overflow branch (three
+  more reductions per group of arrays) was most of the guard's compile time."""
+  params = {"w": jnp.ones((8, 4)), "b": jnp.ones(4), "h": jnp.ones(4, jnp.float16)}
+  for clip_norm in (None, 1.0):
+    tx = jo.with_loss_scale(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0 ** 15),
+                            clip_norm=clip_norm)
+    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+    conds = [e for e in equations(jaxpr) if e.primitive.name == "cond"]
+    assert conds  # the fences
+    for eqn in conds:
+      for branch in eqn.params["branches"]:
+        shapes = {np.shape(v.aval) for e in equations(branch.jaxpr)
+                  for v in (*e.invars, *e.outvars) if hasattr(v, "aval")}
+        assert shapes <= {()}, (clip_norm, shapes)
+
+
+def _norm_oracle(grads, scale):
+  """Float64 NumPy: the unscaled global norm and whether every value is finite."""
+  flat = np.concatenate([np.asarray(g, np.float64).ravel() for g in grads.values()])
+  with np.errstate(invalid="ignore"):
+    return np.sqrt(np.sum((flat / scale) ** 2)), bool(np.all(np.isfinite(flat)))
+
+
+@pytest.mark.parametrize("scale", [2.0 ** -20, 0.75, 1.0, 2.0 ** 15, 3.0 * 2 ** 40, 2.0 ** 100])
+def test_the_norm_and_finiteness_hold_where_the_squares_overflow(scale):
+  """One pass decides finiteness and the norm: scaled gradients whose squares
+  overflow float32 (1e25 to 1e36) beside ordinary ones, and NaN or inf among
+  them. Oracle: NumPy in float64. The norm to float32 rounding (saturated at
+  float32's largest value, where the unscaled norm is beyond it), the update
+  clipped to its target norm, and a non-finite value never taken for a large
+  one."""
+  rng = np.random.default_rng(0)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  cases = {
+      "ordinary": {"w": f32(rng.normal(size=(8, 4)) * scale), "b": f32(rng.normal(size=4))},
+      "huge": {"w": f32(rng.normal(size=(8, 4)) * 1e25), "b": f32([1e36, -3e35, 1.0, 0.0])},
+      "huge and small": {"w": f32(rng.normal(size=(8, 4)) * 1e-3 * scale),
+                         "b": f32([2e30, 1e-30, -5.0, 7e29])},
+  }
+  for name, grads in list(cases.items()):
+    for bad in (np.nan, np.inf, -np.inf):
+      cases[f"{name} with {bad}"] = dict(grads, b=grads["b"].at[2].set(bad))
+  params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)}
+  tx = jo.with_loss_scale(optax.sgd(1.0), jmp_lite.StaticLossScale(scale), clip_norm=2.0)
+  update = jax.jit(tx.update)
+  for name, grads in cases.items():
+    norm, finite = _norm_oracle(grads, scale)
+    updates, state = update(grads, tx.init(params), params)
+    state = jo.find_loss_scale_state(state)
+    assert bool(state.nonfinite.grads) == (not finite), (name, scale)
+    if not finite:
+      assert bool(state.skipped), name
+      continue
+    assert not bool(state.skipped), (name, scale)
+    np.testing.assert_allclose(state.grad_norm, min(norm, np.finfo(np.float32).max),
+                               rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(optax.tree.norm(updates), min(norm, 2.0), rtol=1e-5,
+                               err_msg=name)
+
+
+def test_results_are_reported_by_what_overflowed():
+  """The updates and the new parameters share one reduction (an update that is
+  not finite makes ``p + u`` non-finite where ``p`` is finite); each flag is
+  still its own. Oracle: NumPy on what each step would write."""
+  def run(grad, param, lr=1.0):
+    params = {"w": jnp.asarray(param, jnp.float16), "b": jnp.zeros(3)}
+    tx = jo.with_loss_scale(optax.sgd(lr), jmp_lite.NoOpLossScale())
+    grads = {"w": jnp.asarray(grad, jnp.float32), "b": jnp.ones(3)}
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    return jo.find_loss_scale_state(state).nonfinite
+
+  # sgd: u = -lr * g in float32; p + u rounded to float16.
+  nf = run([1.0, 2.0], [1.0, 1.0], lr=1e4)  # p + u = -1e4: finite
+  assert not (bool(nf.updates) or bool(nf.params))
+  nf = run([1.0, 7.0], [1.0, 1.0], lr=1e4)  # p + u = -7e4: beyond float16
+  assert not bool(nf.updates) and bool(nf.params)
+  nf = run([1.0, 3e38], [1.0, 1.0], lr=10.0)  # u = -3e39: beyond float32
+  assert bool(nf.updates) and bool(nf.params) and not bool(nf.grads)
+  nf = run([1.0, 3e38], [1.0, np.inf], lr=10.0)  # only where p was already inf
+  assert not (bool(nf.updates) or bool(nf.params))
+  nf = run([1.0, 7.0], [np.inf, 1.0], lr=1e4)  # p + u overflows beside an inf p
+  assert not bool(nf.updates) and bool(nf.params)
