@@ -1,8 +1,8 @@
 """Numerics of `jmp_lite.optax.with_loss_scale`: one pass over scaled gradients,
 and what its inner optimizer sees.
 
-From the gradients of the scaled loss it derives, in the common case with one
-read of the gradients: whether they are finite, the global norm of the
+From the gradients of the scaled loss it derives, with one read of the
+gradients and no conditional branch: whether they are finite, the global norm of the
 *unscaled* gradients, and the factor that unscales and clips them. The factor
 is kept as ``mantissa * 2**exponent`` and applied as two multiplications by
 normal numbers, because its value can be subnormal (a loss scale of 2**127,
