@@ -45,6 +45,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite import _dtypes
 from jmp_lite import _internals
 
 F32 = np.dtype(np.float32)
@@ -367,6 +368,16 @@ def _conv_batch(args, dims, *, out_dtype, **params):
                     reduce_dtype=params["reduce_dtype"]), 0
 
 
+def is_narrow_matmul(eqn) -> bool:
+  """Whether ``eqn`` is a half x half product that does not accumulate wider."""
+  if eqn.primitive.name not in BY_BASE or len(eqn.invars) != 2:
+    return False
+  lhs, rhs = (np.dtype(v.aval.dtype) for v in eqn.invars)
+  pref = eqn.params.get("preferred_element_type")
+  return (lhs == rhs and _dtypes.is_narrow_float(lhs)
+          and (pref is None or np.dtype(pref) == lhs))
+
+
 def _rewritten(fun, *args, out_dtype=None, reduce_dtype=None):
   """``fun`` (lax code on narrow operands) with its products accumulating in f32.
 
@@ -378,8 +389,7 @@ def _rewritten(fun, *args, out_dtype=None, reduce_dtype=None):
   closed = jax.make_jaxpr(fun)(*args)
 
   def eval_eqn(eqn, invals):
-    from jmp_lite import _engine  # pylint: disable=g-import-not-at-top
-    if _engine.is_narrow_matmul(eqn):
+    if is_narrow_matmul(eqn):
       dtype = out_dtype or eqn.outvars[0].aval.dtype
       params = {k: v for k, v in eqn.params.items()
                 if k != "preferred_element_type"}

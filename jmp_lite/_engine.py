@@ -56,16 +56,6 @@ _KERNELS = frozenset({"pallas_call", "core_map", "mosaic_gpu_call",
 _OPAQUE = frozenset({"ffi_call", "custom_call", "custom_partitioning"})
 
 
-def is_narrow_matmul(eqn) -> bool:
-  """Whether ``eqn`` is a half x half product that does not accumulate wider."""
-  if eqn.primitive.name not in _accumulate.BY_BASE or len(eqn.invars) != 2:
-    return False
-  lhs, rhs = (np.dtype(v.aval.dtype) for v in eqn.invars)
-  pref = eqn.params.get("preferred_element_type")
-  return (lhs == rhs and _dtypes.is_narrow_float(lhs)
-          and (pref is None or np.dtype(pref) == lhs))
-
-
 def _accumulates_wide(eqn) -> bool:
   """A bfloat16 x bfloat16 product already asking for a float32 result.
 
@@ -148,7 +138,7 @@ class _Rewriter:
 
   def eqn(self, eqn):
     name = eqn.primitive.name
-    if is_narrow_matmul(eqn) or _refused_on_cpu(eqn) or _accumulates_wide(eqn):
+    if _accumulate.is_narrow_matmul(eqn) or _refused_on_cpu(eqn) or _accumulates_wide(eqn):
       out = np.dtype(eqn.outvars[0].aval.dtype)
       params = dict(eqn.params, preferred_element_type=_accumulate.F32,
                     out_dtype=out, reduce_dtype=self.reduce_dtype)
@@ -208,7 +198,7 @@ class _Rewriter:
     """Reports a kernel whose own matmuls accumulate narrow."""
     def narrow(jaxpr):
       for e in jaxpr.eqns:
-        if is_narrow_matmul(e):
+        if _accumulate.is_narrow_matmul(e):
           return True
         for v in e.params.values():
           for sub in v if isinstance(v, (tuple, list)) else (v,):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _struct
-from jmp_lite.fp8 import Fp8State, MatmulMeta, SCHEMA_VERSION
+from jmp_lite._fp8_state import SCHEMA_VERSION, Fp8State, MatmulMeta
 
 
 def restore(raw: Any, target: Any) -> Any:

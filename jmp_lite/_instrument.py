@@ -55,7 +55,7 @@ from jmp_lite import _fp8_sites
 from jmp_lite import _internals
 from jmp_lite import _probes
 from jmp_lite import _replicas
-from jmp_lite import fp8 as fp8_lib
+from jmp_lite import _fp8_state
 from jmp_lite._plan import Fp8Selection, Nested, Plan, Planner
 from jmp_lite._plan import decode, forward_slots, sites
 
@@ -89,7 +89,7 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan,
       outs, amax = _fp8_sites.matmul(
           lhs, rhs, scales,
           eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype,
-          *(fp8_lib.FORMATS[f] for f in site.recipe), scaling=site.scaling)
+          *(_fp8_numerics.FORMATS[f] for f in site.recipe), scaling=site.scaling)
       found.append((site.offset, amax))
     else:
       # A mark is bound as it is: JAX may have moved a cast into its body.
@@ -289,7 +289,7 @@ def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
   output is the training forward's, bitwise. Nothing is measured or
   updated.
   """
-  if not isinstance(fp8_state, fp8_lib.Fp8State):
+  if not isinstance(fp8_state, _fp8_state.Fp8State):
     raise TypeError(f"fp8 must be a jmp_lite.fp8.Fp8State (from jmp_lite.fp8.init), "
                     f"got {type(fp8_state).__name__}")
   selection = Fp8Selection(fp8_state.select, fp8_state.recipe, fp8_state.scaling)
@@ -322,13 +322,13 @@ def _carrier(plan: Plan, slots, fp8_state) -> jax.Array:
 
 def _check_state(state, slots) -> dict:
   """The scales of ``state``, checked against the sites the trace found."""
-  if not isinstance(state, fp8_lib.Fp8State):
+  if not isinstance(state, _fp8_state.Fp8State):
     raise TypeError(f"expected a jmp_lite.fp8.Fp8State, got {type(state).__name__}")
-  fp8_lib._same_sites(state.sites, {name: None for name, _, _ in slots})
+  _fp8_state.same_sites(state.sites, {name: None for name, _, _ in slots})
   for name, point, idx in slots:
     meta = state.sites[name]
     formats = (meta.lhs.dtype, meta.grad.dtype)
-    want = tuple(fp8_lib.FORMATS[f] for f in point.recipe)
+    want = tuple(_fp8_numerics.FORMATS[f] for f in point.recipe)
     rows = point.state_shape(idx.shape[:-1])
     if formats != want or meta.lhs.scale.shape != rows:
       raise ValueError(

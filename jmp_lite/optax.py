@@ -61,7 +61,7 @@ from jmp_lite._guard_state import _no_nonfinite
 from jmp_lite import _replicas
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
-from jmp_lite.fp8 import Fp8State
+from jmp_lite._fp8_state import Fp8State
 from jmp_lite._unscale import apply_updates
 from jmp_lite._dtypes import is_inexact
 from jmp_lite._dtypes import wide_dtype
