@@ -49,3 +49,21 @@ def test_the_generated_tables_match_the_results_they_come_from():
   text = README.read_text()
   assert tables.render(text) == text, "run: python docs/readme_tables.py --write"
   assert text.count(tables.END) == len(tables.TABLES)
+
+
+def test_every_bench_target_row_finds_a_run():
+  """Each row of the CPU bench table matches a target in some results file: a
+  target renamed in the bench, or a pattern that rotted, would leave a row of
+  dashes rather than fail."""
+  import importlib.util
+  import json
+
+  path = README.parent / "docs" / "bench_table.py"
+  spec = importlib.util.spec_from_file_location("bench_table", path)
+  table = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(table)
+  runs = [(name, json.loads((README.parent / "bench" / "results" / f"{name}.json").read_text()))
+          for name in table.FILES]
+  for what, parts in table.ROWS:
+    for label, pattern in parts:
+      assert table._cell(runs, pattern) is not None, (what, label)
