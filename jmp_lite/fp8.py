@@ -156,7 +156,7 @@ def forward(fun: Any, state: Fp8State) -> Any:
       or layers).
 
   Example:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> import jmp_lite.fp8 as fp8
     >>> def mlp(w, x):
     ...   with jax.named_scope("mlp"):
