@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jmp_lite
 import jmp_lite.flax
@@ -82,6 +83,7 @@ def test_a_cell_over_time_has_one_state_whatever_the_length():
   jmp_lite.value_and_grad(loss)(params, _sequence(64), loss_scale=ONE, fp8=state)
 
 
+@pytest.mark.slow  # unrolls the loop by hand for the oracle (about 25 s): the heavy tier
 def test_the_loops_maxima_are_the_largest_of_the_unrolled_calls():
   t = 6
   x = _sequence(t)

@@ -309,7 +309,9 @@ def test_current_scaling_of_zeros_and_non_finite_values():
   assert np.isfinite(np.asarray(out)[1:]).all()
 
 
-@pytest.mark.parametrize("scaling", ["delayed", "current", "block"])
+# Block scaling's case compiles the MXFP8 path twice (about 30 s): the heavy tier.
+@pytest.mark.parametrize("scaling", ["delayed", "current",
+                                     pytest.param("block", marks=pytest.mark.slow)])
 def test_an_operand_nothing_differentiates_costs_no_residual(scaling):
   """A model's input needs no cotangent: the kernel's fp8 copy, which only
   that cotangent reads, is not kept, and the weight gradient is unchanged."""
