@@ -57,11 +57,13 @@ def written_nonfinite(updates: Any, params: Any, inner_state: Any, old_state: An
   gradients'; the results are only meaningful where it holds) inside one
   fenced computation (`jmp_lite._reduce.fenced`).
   """
-  leaves_p = [None] * len(jax.tree.leaves(updates)) if params is None else [
-      p for p in jax.tree.leaves(params, is_leaf=lambda x: x is None)]
-  pairs = [(u, p) for u, p in zip(jax.tree.leaves(updates, is_leaf=lambda x: x is None),
-                                  leaves_p)
+  is_none = lambda x: x is None
+  us = jax.tree.leaves(updates, is_leaf=is_none)
+  ps = [None] * len(us) if params is None else jax.tree.leaves(params, is_leaf=is_none)
+  pairs = [(u, p) for u, p in zip(us, ps)
            if u is not None and is_inexact(u) and (p is None or is_inexact(p))]
+  newly = lambda n, o: lax.bitwise_and(lax.bitwise_not(_elementwise.isfinite(_exact.widen(n))),
+                                       _elementwise.isfinite(_exact.widen(o)))
 
   def code(u, p):
     bad_u = lax.bitwise_not(_elementwise.isfinite(_exact.widen(u)))
@@ -79,9 +81,8 @@ def written_nonfinite(updates: Any, params: Any, inner_state: Any, old_state: An
   state = _reduce.partials(
       [(n, o) for n, o in zip(jax.tree.leaves(inner_state), jax.tree.leaves(old_state))
        if is_inexact(n)],
-      lambda pair: lax.bitwise_and(lax.bitwise_not(_elementwise.isfinite(_exact.widen(pair[0]))),
-                                   _elementwise.isfinite(_exact.widen(pair[1]))),
-      lax.bitwise_or, _reduce.anywhere, shape_of=lambda pair: np.shape(pair[0]))
+      lambda pair: newly(*pair), lax.bitwise_or, _reduce.anywhere,
+      shape_of=lambda pair: np.shape(pair[0]))
 
   def decide(parts):
     codes, state, finite = parts

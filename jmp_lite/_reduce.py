@@ -123,14 +123,3 @@ def sum_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
                  total, jnp.zeros((), dtype))
 
 
-def max_of(leaves: Sequence[Any], elementwise: Callable, dtype) -> jax.Array:
-  """``max(elementwise(x))`` over every element of every leaf (``-inf`` if none)."""
-  return _reduce(leaves, lambda x: _elementwise.cast(elementwise(x), dtype), lax.max,
-                 largest, jnp.full((), -jnp.inf, dtype))
-
-
-def any_of_pairs(pairs: Sequence[tuple[Any, Any]], elementwise: Callable) -> jax.Array:
-  """Whether ``elementwise(a, b)`` holds anywhere, for same-shape pairs ``(a, b)``."""
-  return _reduce(pairs, lambda p: elementwise(*p), lax.bitwise_or, anywhere,
-                 jnp.array(False), shape_of=lambda p: np.shape(p[0]))
-
