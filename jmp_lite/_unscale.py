@@ -145,9 +145,12 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
     return NormInfo(finite, zero, unscale, unscale, _normal_pair(unscale, dtype))
   k = _downscale(dtype)
   # 1/scale is subnormal for scales above 2**126: unscale in two steps. The
-  # downscaled pair is computed from the scale, not a constant: XLA rewrites
-  # ``(g * c) * (g * c)`` with a constant ``c`` into ``g * g * (c * c)``, and
-  # ``c * c`` flushes to zero.
+  # downscaled pair is computed from the scale. An earlier form squared
+  # ``g * 2**-82`` written as a literal, and XLA's algebraic simplifier made
+  # it ``g * g * (c * c)``, where ``c * c`` is 0. With a scale that is a
+  # compile-time constant (`NoOpLossScale`) the pair is constant too; XLA:CPU
+  # keeps ``(g * c) * (g * c)`` then (tests/test_optax.py, huge gradients
+  # under NoOpLossScale); the GPU's check is pending.
   inv = _normal_pair(unscale, dtype)
   inv_down = _normal_pair(Factor(unscale.mantissa, unscale.exponent - k), dtype)
   # One reduction per distinct shape (`_reduce`), not one per leaf.
