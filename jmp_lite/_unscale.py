@@ -150,7 +150,7 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   # it ``g * g * (c * c)``, where ``c * c`` is 0. With a scale that is a
   # compile-time constant (`NoOpLossScale`) the pair is constant too; XLA:CPU
   # keeps ``(g * c) * (g * c)`` then (tests/test_optax.py, huge gradients
-  # under NoOpLossScale); the GPU's check is pending.
+  # under NoOpLossScale, holds it to that).
   inv = _normal_pair(unscale, dtype)
   inv_down = _normal_pair(Factor(unscale.mantissa, unscale.exponent - k), dtype)
   # One reduction per distinct shape (`_reduce`), not one per leaf.
