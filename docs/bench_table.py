@@ -124,11 +124,16 @@ def _cell(runs: list, pattern: str):
   return max(found, key=lambda f: f[0])[1:] if found else None
 
 
-def render(*runs_in_order: dict) -> str:
-  """The table, from the runs of `FILES` (in that order)."""
+def by_class(*runs_in_order: dict) -> dict:
+  """The full runs of `FILES` (given in that order) as ``(name, run)`` pairs, by class."""
   named = [(name, run) for name, run in zip(FILES, runs_in_order)
            if not run["meta"].get("quick")]
-  by_class = {c: [(n, r) for n, r in named if _class(r) == c] for c, _ in CLASSES}
+  return {c: [(n, r) for n, r in named if _class(r) == c] for c, _ in CLASSES}
+
+
+def render(*runs_in_order: dict) -> str:
+  """The table, from the runs of `FILES` (in that order)."""
+  classes = by_class(*runs_in_order)
   lines = ["| what (target; where it applies) | "
            + " | ".join(c for c, _ in CLASSES) + " |",
            "|---" * (1 + len(CLASSES)) + "|"]
@@ -138,7 +143,7 @@ def render(*runs_in_order: dict) -> str:
     for c, _ in CLASSES:
       texts, sources = [], []
       for label, pattern in parts:
-        hit = _cell(by_class[c], pattern)
+        hit = _cell(classes[c], pattern)
         if hit is None:
           continue
         name, target = hit
@@ -146,7 +151,7 @@ def render(*runs_in_order: dict) -> str:
         texts.append(f"{label + ': ' if label else ''}{_value(target)} ({status})")
         if name not in sources:
           sources.append(name)
-        used[name] = dict(by_class[c])[name]
+        used[name] = dict(classes[c])[name]
       cells.append("; ".join(texts) + (" — " + ", ".join(f"`{s}`" for s in sources)
                                        if sources else "") if texts else "–")
     lines.append(f"| {what} | " + " | ".join(cells) + " |")

@@ -20,9 +20,11 @@ from jax import lax
 
 
 def cast(x: jax.Array, dtype) -> jax.Array:
-  """``x.astype(dtype)``; ``x`` itself when it already has that dtype."""
+  """``x.astype(dtype)``, strongly typed; ``x`` itself when it already is."""
   # `==` rather than np.dtype(): PRNG key dtypes are not NumPy dtypes.
-  return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+  if x.dtype == dtype and not getattr(x, "weak_type", False):
+    return x
+  return lax.convert_element_type(x, dtype)
 
 
 def isfinite(x: jax.Array) -> jax.Array:
@@ -33,10 +35,12 @@ def isfinite(x: jax.Array) -> jax.Array:
 
 
 def where(pred: jax.Array, a: jax.Array, b: Any) -> jax.Array:
-  """``jnp.where(pred, a, b)`` for a scalar or ``a``-shaped ``pred``, ``b`` an
-  array of ``a``'s shape and dtype or a Python number."""
-  if not isinstance(b, jax.Array) or np.shape(b) != np.shape(a):
-    b = lax.full_like(a, b)
+  """``jnp.where(pred, a, b)`` for a scalar or ``a``-shaped ``pred``, ``b`` of
+  ``a``'s dtype: an array of ``a``'s shape, a scalar array or a number."""
+  if not isinstance(b, jax.Array):
+    b = lax.full_like(a, b) if np.ndim(b) == 0 else jnp.asarray(b)
+  if np.shape(b) != np.shape(a):
+    b = lax.broadcast_in_dim(b, np.shape(a), ())
   if np.shape(pred) != np.shape(a):
     pred = lax.broadcast_in_dim(pred, np.shape(a), ())
   return lax.select(pred, a, b)

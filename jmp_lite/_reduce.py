@@ -108,7 +108,8 @@ def total(x: jax.Array) -> jax.Array:
 def largest(x: jax.Array) -> jax.Array:
   """The largest element of ``x``: ``-inf`` for an empty float ``x``, the
   smallest value for an integer one (a parameter with a 0 dimension has none)."""
-  low = -np.inf if np.issubdtype(x.dtype, np.floating) else np.iinfo(x.dtype).min
+  # jnp.issubdtype: NumPy's does not know bfloat16 and the fp8 types are floats.
+  low = -np.inf if jnp.issubdtype(x.dtype, jnp.floating) else np.iinfo(x.dtype).min
   return lax.reduce(x, np.array(low, x.dtype), lax.max, tuple(range(np.ndim(x))))
 
 

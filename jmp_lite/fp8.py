@@ -51,9 +51,10 @@ __all__ = ("DelayedScaling", "FORMATS", "Fp8State", "MatmulMeta", "SCHEMA_VERSIO
 
 _SCALINGS = ("delayed", "current", "block")
 
-for _f in (DelayedScaling, dequantize, qdq, quantize, quantize_by, reciprocal,
-           Fp8State, MatmulMeta):
-  # Documented here, defined in jmp_lite._fp8_numerics and jmp_lite._fp8_state.
+# Documented here, defined in jmp_lite._fp8_numerics. (Not the classes: the
+# annotations of a class resolve in its __module__'s names, and Sphinx finds
+# them through __all__.)
+for _f in (dequantize, qdq, quantize, quantize_by, reciprocal):
   _f.__module__ = __name__
 del _f
 
