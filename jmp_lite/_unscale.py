@@ -1,8 +1,8 @@
 """Numerics of `jmp_lite.optax.with_loss_scale`: one pass over scaled gradients,
 and what its inner optimizer sees.
 
-From the gradients of the scaled loss it derives, with one read of the
-gradients and no conditional branch: whether they are finite, the global norm of the
+From the gradients of the scaled loss it derives, with two sums over them
+and no conditional branch: whether they are finite, the global norm of the
 *unscaled* gradients, and the factor that unscales and clips them. The factor
 is kept as ``mantissa * 2**exponent`` and applied as two multiplications by
 normal numbers, because its value can be subnormal (a loss scale of 2**127,
@@ -108,8 +108,7 @@ def _downscale(dtype) -> int:
 def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   """Finiteness, unscaled global norm and unscale(-and-clip) factor of ``grads``.
 
-  One read of the gradients, two sums per group of same-shape arrays, no
-  conditional branch:
+  Two sums per group of same-shape arrays, and no conditional branch:
 
   * ``sum((g / scale)**2)``, the norm's square wherever it is finite;
   * ``sum((g / scale * 2**-k)**2)`` (`_downscale`), which is finite exactly
@@ -125,10 +124,12 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   (``2**152`` in float32) count as an overflow, as no optimizer could use
   them; below that their norm is inf and clipping still works.
 
-  Both sums are reduced in the same fused loops. Before, the common case read
-  the gradients once and a rare branch (a `cond`) read them three more times
-  to tell overflow from non-finite values; XLA compiles a branch whether or
-  not it runs, and that branch was most of the guard's compile time.
+  XLA:CPU compiles the two sums as two loops, each reading the gradients.
+  Before, the common case read them once and a rare branch (a `cond`) read
+  them three more times to tell overflow from non-finite values; XLA compiles
+  a branch whether or not it runs, and that branch was most of the guard's
+  compile time. The gradients-only step got faster all the same (the bench's
+  ``guard`` section: 1,296 to 782 ms on 1 GiB in 100 arrays).
   """
   leaves = [g for g in jax.tree.leaves(grads) if is_scaled(g)]
   low = [g for g in jax.tree.leaves(grads) if is_inexact(g) and not is_scaled(g)]
