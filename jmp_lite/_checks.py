@@ -62,19 +62,19 @@ def written_nonfinite(updates: Any, params: Any, inner_state: Any, old_state: An
   ps = [None] * len(us) if params is None else jax.tree.leaves(params, is_leaf=is_none)
   pairs = [(u, p) for u, p in zip(us, ps)
            if u is not None and is_inexact(u) and (p is None or is_inexact(p))]
-  newly = lambda n, o: lax.bitwise_and(lax.bitwise_not(_elementwise.isfinite(_exact.widen(n))),
-                                       _elementwise.isfinite(_exact.widen(o)))
+  # What the narrow dtype holds (`_exact.widen`), not a float32 value XLA:GPU
+  # may have kept in its place.
+  is_finite = lambda x: _elementwise.isfinite(_exact.widen(x))
+  newly = lambda n, o: lax.bitwise_and(lax.bitwise_not(is_finite(n)), is_finite(o))
+  two = lambda like: lax.full_like(like, 2, jnp.int8)
 
   def code(u, p):
-    bad_u = lax.bitwise_not(_elementwise.isfinite(_exact.widen(u)))
+    bad_u = lax.bitwise_not(is_finite(u))
     if p is None:
-      return _elementwise.where(bad_u, lax.full_like(bad_u, 2, jnp.int8), 0)
-    was = _elementwise.isfinite(_exact.widen(p))
-    bad_p = lax.bitwise_not(_elementwise.isfinite(
-        _exact.widen(_elementwise.add_rounded(p, u))))
-    code = _elementwise.where(bad_u, lax.full_like(bad_u, 2, jnp.int8),
-                              _elementwise.cast(bad_p, jnp.int8))
-    return _elementwise.where(was, code, 0)
+      return _elementwise.where(bad_u, two(bad_u), 0)
+    bad_p = lax.bitwise_not(is_finite(_elementwise.add_rounded(p, u)))
+    code = _elementwise.where(bad_u, two(bad_u), _elementwise.cast(bad_p, jnp.int8))
+    return _elementwise.where(is_finite(p), code, 0)
 
   codes = _reduce.partials(pairs, lambda pair: code(*pair), lax.max, _reduce.largest,
                            shape_of=lambda pair: np.shape(pair[0]))
