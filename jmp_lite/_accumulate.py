@@ -138,6 +138,10 @@ for _p in BASE:
   _p.def_effectful_abstract_eval(_abstract_eval(_p))
   _p.def_impl(_impl(_p))
   _internals.define_lowering(_p, functools.partial(_reference, _p))
+  # `jax.checkpoint(..., policy=dots_saveable)` saves these as it would the
+  # ops they replace, whether it wraps the rewrite or sits inside it.
+  _internals.define_remat_as(_p, lambda params, _p=_p: (BASE[_p],
+                                                        _base_params(params)))
 
 
 # --- CPU lowering of dots --------------------------------------------------------

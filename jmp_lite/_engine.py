@@ -24,7 +24,6 @@ compose: they transform the primitive, whose rules keep float32 accumulation.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from typing import Any, Callable
@@ -179,8 +178,6 @@ class _Rewriter:
           self.jaxpr(jaxpr), consts, zeros))
     if where == _internals.FWD_THUNK:
       return self.thunk(value, lambda jaxpr, consts: (self.jaxpr(jaxpr), consts))
-    if where == _internals.REMAT_POLICY and value is not None:
-      return _SeesBaseOps(value)
     if where == _internals.BWD_FUN:
       strict = self.strict
       # A backward rule is not differentiated again (as a rule): nothing
@@ -212,24 +209,6 @@ class _Rewriter:
         self.report(eqn, "it is a kernel with a narrow matmul, which its own"
                     " compiler lowers.")
         return
-
-
-@dataclasses.dataclass(frozen=True)
-class _SeesBaseOps:
-  """A remat policy that sees each engine primitive as the op it replaces.
-
-  ``jax.checkpoint_policies.dots_saveable`` and its kin test ``prim is
-  dot_general_p``: asked about the engine's primitive, they would recompute
-  every matmul the user asked to save. Frozen, so that equal policies keep
-  hitting JAX's caches.
-  """
-  policy: Callable[..., Any]
-
-  def __call__(self, prim, *args, **params):
-    if prim in _accumulate.BASE:
-      params = _accumulate._base_params(params)  # pylint: disable=protected-access
-      prim = _accumulate.BASE[prim]
-    return self.policy(prim, *args, **params)
 
 
 def _freeze(x):

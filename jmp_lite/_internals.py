@@ -95,6 +95,51 @@ def define_partitioned_lowering(prim, fun: Callable[..., Any], platform) -> None
   mlir.register_lowering(prim, rule, platform=platform)
 
 
+def define_remat_as(prim, as_base: Callable[[dict], tuple[Any, dict]]) -> None:
+  """Remat policies decide about ``prim`` as about the op it stands for.
+
+  ``jax.checkpoint(f, policy=...)`` asks ``policy(prim, *avals, **params)``
+  about each equation of ``f`` whose inputs are known; JAX's own policies
+  test ``prim is dot_general_p`` (``dots_saveable`` and its kin in
+  jax/_src/ad_checkpoint.py). The policy is asked about ``as_base(params) ->
+  (base_prim, base_params)`` instead, wherever the ``checkpoint`` is: outside
+  a wrapped function as well as inside it.
+
+  Relies on `partial_eval.partial_eval_jaxpr_custom_rules`, the table remat's
+  partial evaluation consults before its first-order default, with rules
+  ``rule(saveable, unks_in, inst_in, eqn) -> (known_eqn, staged_eqn,
+  unks_out, inst_out, residuals)``, and on `ensure_enum`, `SaveableType` and
+  `Offloadable`. The rule transcribes that default (the first-order branch
+  of `_partial_eval_jaxpr_custom_cached` in
+  jax/_src/interpreters/partial_eval.py, JAX 0.10.2), but for offloading:
+  a rule returns one equation each side and cannot add the two copies an
+  offload needs, so an ``Offloadable`` answer recomputes, with a warning.
+  """
+  from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+
+  def rule(saveable, unks_in, inst_in, eqn):
+    n = len(eqn.outvars)
+    # Known inputs the staged (backward) copy reads become residuals.
+    needed = [v for v, inst in zip(eqn.invars, inst_in)
+              if not inst and not isinstance(v, core.Literal)]
+    if any(unks_in):
+      return None, eqn, [True] * n, [True] * n, needed
+    base, params = as_base(eqn.params)
+    policy = pe.ensure_enum(saveable(base, *[v.aval for v in eqn.invars],
+                                     **params))
+    if eqn.effects or isinstance(policy, pe.SaveableType):
+      return eqn, None, [False] * n, [False] * n, []
+    if isinstance(policy, pe.Offloadable):
+      import warnings  # pylint: disable=g-import-not-at-top
+      warnings.warn(
+          f"the remat policy asks to offload a {base.name} that jmp_lite "
+          f"computes as {prim.name}; it is recomputed instead (offloading "
+          "the engine's matmuls is not supported)", UserWarning, stacklevel=2)
+    return eqn, eqn, [False] * n, [True] * n, needed
+
+  pe.partial_eval_jaxpr_custom_rules[prim] = rule
+
+
 def base_transpose(prim):
   """JAX's transpose rule of ``prim``: ``rule(ct, x, y, **params)``.
 
@@ -305,10 +350,6 @@ def transposed(eqn) -> bool:
 JVP_THUNK = ("custom_jvp_call", "jvp_jaxpr_fun")
 FWD_THUNK = ("custom_vjp_call", "fwd_jaxpr_thunk")
 BWD_FUN = ("custom_vjp_call", "bwd")
-# remat2 (`jax.checkpoint`, `nn.remat`, `nnx.remat`): `policy(prim, *avals,
-# **params) -> bool | Saveable | Offloadable`, or None. JAX's own policies test
-# `prim is dot_general_p` (`DotsSaveable` in jax/_src/ad_checkpoint.py).
-REMAT_POLICY = ("remat2", "policy")
 
 # Primitives that carry jaxprs or functions in their params, as of the
 # installed JAX. The rewrite handles a jaxpr in any primitive's params

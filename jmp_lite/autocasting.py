@@ -71,7 +71,11 @@ Structure and composition:
   like ``autocast(jax.grad(f))`` does, and ``jax.jvp``, ``jax.hessian`` and
   ``jax.vmap`` of an autocast function compose the same way.
 * ``jit``/``pjit`` calls are inlined; ``checkpoint`` (``remat2``) is rebuilt
-  around the rewritten body with the same policy.
+  around the rewritten body with the same policy. A policy that names
+  matmuls (``dots_saveable``) sees the engine's primitive as the
+  ``dot_general`` it replaces, inside or around the autocast function; a
+  product handed to a float32 consumer is kept as autocast computes it, in
+  float32.
 * ``scan``, ``while``, ``cond``, ``shard_map``, ``custom_jvp_call`` and
   ``custom_vjp_call`` bodies are rewritten with their interface dtypes
   unchanged (loop carries keep their dtype), so a custom derivative rule still
