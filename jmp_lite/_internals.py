@@ -138,6 +138,12 @@ def define_remat_as(prim, as_base: Callable[[dict], tuple[Any, dict]]) -> None:
     return eqn, eqn, [False] * n, [True] * n, needed
 
   pe.partial_eval_jaxpr_custom_rules[prim] = rule
+  _OWN_REMAT_RULES.add(prim.name)
+
+
+# Primitives of jmp_lite given a remat rule above: first-order, not counted by
+# `higher_order_primitives`.
+_OWN_REMAT_RULES: set[str] = set()
 
 
 def base_transpose(prim):
@@ -383,7 +389,7 @@ def higher_order_primitives() -> frozenset[str]:
            for p in table}
   names |= {p.name for p in all_primitives().values()
             if isinstance(p, core_internal.CallPrimitive)}
-  return frozenset(names - _FIRST_ORDER_WITH_RULES)
+  return frozenset(names - _FIRST_ORDER_WITH_RULES - _OWN_REMAT_RULES)
 
 
 def wrap_fun(fun: Callable[..., Any], like) -> Any:
