@@ -110,15 +110,28 @@ def test_the_policy_outside_and_inside_the_wrapped_model_agree(model_and_args):
 
 
 @pytest.mark.parametrize("name", ["dots_saveable", "nothing_saveable"])
-def test_a_policy_changes_no_gradient_bit(name, model_and_args):
+def test_a_policy_changes_no_gradient(name, model_and_args):
+  """Saving or recomputing a product gives the same gradients.
+
+  Bitwise on a CPU, whose compiled step computes the same values either way.
+  On a GPU a different plan fuses the recomputed stretch differently, and the
+  key bias's gradient is rounding noise (softmax ignores a shift along the
+  keys: its exact gradient is 0), so there the gradients agree to bf16
+  rounding, measured against the size of the whole gradient.
+  """
   params, x = model_and_args
   wrapped = jmp_lite.flax.wrap(Attention(), POLICY)
   plain = jax.jit(jax.grad(wrapped.apply))(params, x)
   remat = jax.jit(jax.grad(jax.checkpoint(wrapped.apply,
                                           policy=POLICIES[name])))(params, x)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(plain))
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
     assert a.dtype == b.dtype
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if jax.default_backend() == "cpu":
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    else:
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0,
+                                 atol=2.0 ** -5 * scale)
 
 
 def test_a_policy_around_autocast_saves_what_it_saves_inside(model_and_args):
