@@ -257,8 +257,8 @@ def _with_consts(key):
   constants of the rewritten jaxpr join them."""
   def handler(eqn, invals, rules):
     new, consts = _rewrite_closed(eqn.params[key], rules)
-    params = {**eqn.params, key: new,
-              "num_consts": eqn.params["num_consts"] + len(consts)}
+    params = _internals.with_more_consts(
+        eqn.primitive.name, {**eqn.params, key: new}, len(consts))
     return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
   return handler
 
@@ -306,10 +306,11 @@ def _custom_vjp(eqn, invals, rules):
     fwd, hoisted = _rewrite_closed(_core.ClosedJaxpr(jaxpr, fwd_consts), rules)
     return _internals.invars_to_constvars(fwd.jaxpr, len(hoisted)), hoisted
 
-  params = dict(
-      eqn.params, call_jaxpr=new,
-      num_consts=eqn.params["num_consts"] + len(consts),
-      fwd_jaxpr_thunk=_internals.wrap_fun(fwd_jaxpr_thunk, thunk))
+  params = _internals.with_more_consts(
+      eqn.primitive.name,
+      dict(eqn.params, call_jaxpr=new,
+           fwd_jaxpr_thunk=_internals.wrap_fun(fwd_jaxpr_thunk, thunk)),
+      len(consts))
   return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
 
 

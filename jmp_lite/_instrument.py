@@ -136,7 +136,7 @@ def _nested(eqn, invals, carrier, nested: Nested, gate):
   if kind == "scan":
     (child,) = nested.children
     body = p["jaxpr"]
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = _internals.scan_split(p)
     consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
 
     def step(carry, x):

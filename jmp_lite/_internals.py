@@ -281,10 +281,14 @@ def invars_to_constvars(jaxpr, n: int):
   """``jaxpr`` with its first ``n`` inputs turned into constants.
 
   Relies on `partial_eval.convert_invars_to_constvars` (the form a custom
-  VJP's forward thunk returns).
+  VJP's forward thunk returns). JAX 0.11 removed it: there a jaxpr's
+  constants are its leading inputs (`core.eval_jaxpr` binds ``[*consts,
+  *args]`` to ``all_invars``, jax/_src/core.py at commit cec06d1), so the
+  first ``n`` inputs already take them and ``jaxpr`` is returned as it is.
   """
   from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
-  return pe.convert_invars_to_constvars(jaxpr, n)
+  convert = getattr(pe, "convert_invars_to_constvars", None)
+  return jaxpr if convert is None else convert(jaxpr, n)
 
 
 def convert_weak(x, dtype):
@@ -357,6 +361,43 @@ JVP_THUNK = ("custom_jvp_call", "jvp_jaxpr_fun")
 FWD_THUNK = ("custom_vjp_call", "fwd_jaxpr_thunk")
 BWD_FUN = ("custom_vjp_call", "bwd")
 
+# How a loop's operands split. `while`: ``cond_nconsts`` constants of the
+# condition, ``body_nconsts`` of the body, then the carry (every JAX this
+# library has met). `scan`: constants, carry, then the scanned ``xs``, given
+# by ``num_consts`` and ``num_carry`` up to JAX 0.10, and from JAX 0.11 by
+# one flat tree ``ft_in`` of those three groups (`jax._src.flattree`, read in
+# jax/_src/lax/control_flow/loops.py at commit cec06d1 of jax-ml/jax). Every
+# reader goes through these two functions, so a new layout is met here once.
+# Primitives whose body takes leading constants counted by ``num_consts``:
+# `custom_jvp_call`, `custom_vjp_call`, `remat_opt` (unchanged in JAX 0.11).
+
+
+def scan_split(params) -> tuple[int, int]:
+  """``(constants, carry)``: how many of a scan's operands are which."""
+  if "num_consts" in params:
+    return int(params["num_consts"]), int(params["num_carry"])
+  if "ft_in" in params:
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+  raise NotImplementedError(
+      "jmp_lite does not know how this JAX's scan splits its operands "
+      f"(params {sorted(params)}); see jmp_lite/_internals.py")
+
+
+def with_more_consts(name: str, params, n: int) -> dict:
+  """``params`` of a ``name`` equation whose body takes ``n`` more leading
+  constants (constants a rewrite of the body hoisted)."""
+  if "num_consts" in params:
+    return {**params, "num_consts": params["num_consts"] + n}
+  if name == "scan" and "ft_in" in params:
+    from jax._src import flattree as ft  # pylint: disable=g-import-not-at-top
+    consts, carry, xs = params["ft_in"].unpack()
+    return {**params, "ft_in": ft.pack((ft.nones(len(consts) + n), carry, xs))}
+  raise NotImplementedError(
+      f"jmp_lite does not know how this JAX's {name} counts its constants "
+      f"(params {sorted(params)}); see jmp_lite/_internals.py")
+
+
 # Primitives that carry jaxprs or functions in their params, as of the
 # installed JAX. The rewrite handles a jaxpr in any primitive's params
 # generically (rewritten in place, types unchanged); the functions it reaches
@@ -380,15 +421,17 @@ def higher_order_primitives() -> frozenset[str]:
 
   Relies on `partial_eval.dce_rules`, `partial_eval.partial_eval_jaxpr_custom_
   rules` and `core.custom_typechecks`, tables JAX fills for primitives whose
-  params hold jaxprs, and on the `CallPrimitive` class.
+  params hold jaxprs, and on the `CallPrimitive` class where it exists.
   """
   from jax._src import core as core_internal  # pylint: disable=g-import-not-at-top
   from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
   names = {p.name for table in (pe.dce_rules, pe.partial_eval_jaxpr_custom_rules,
                                 core_internal.custom_typechecks)
            for p in table}
-  names |= {p.name for p in all_primitives().values()
-            if isinstance(p, core_internal.CallPrimitive)}
+  # JAX 0.11 dropped the class; its call primitives have the rules above.
+  call = getattr(core_internal, "CallPrimitive", None)
+  if call is not None:
+    names |= {p.name for p in all_primitives().values() if isinstance(p, call)}
   return frozenset(names - _FIRST_ORDER_WITH_RULES - _OWN_REMAT_RULES)
 
 

@@ -158,7 +158,7 @@ class Planner:
       return [self.plan(eqn.params["body_jaxpr"].jaxpr, where,
                         ins[nc:nc + nb] + [any(ins)] * (len(ins) - nc - nb))]
     if name == "scan":
-      nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+      nc, nk = _internals.scan_split(eqn.params)
       return [self.plan(eqn.params["jaxpr"].jaxpr, where,
                         ins[:nc] + [any(ins)] * nk + ins[nc + nk:])]
     body = eqn.params["jaxpr"]
@@ -185,7 +185,7 @@ def _mark_shared(eqn, child: Plan) -> None:
   sequence's length.
   """
   p = eqn.params
-  nc, nk = p["num_consts"], p["num_carry"]
+  nc, nk = _internals.scan_split(p)
   body = p["jaxpr"].jaxpr
   n_xs = len(body.invars) - nc - nk
   origins = ([frozenset({_INVARIANT})] * nc + [frozenset({_CARRIED})] * nk
@@ -224,7 +224,7 @@ def _body_origins(eqn, ins, nested: Nested):
   A nested loop's carry may come to depend on anything the loop reads."""
   p, anything = eqn.params, frozenset().union(*ins)
   if nested.kind == "scan":
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = _internals.scan_split(p)
     return [(p["jaxpr"].jaxpr, nested.children[0],
              ins[:nc] + [anything] * nk + ins[nc + nk:])]
   if nested.kind == "while":

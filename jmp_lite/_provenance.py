@@ -76,7 +76,8 @@ def _sub_graphs(eqn, graph, transposed) -> Optional[list[_Inner]]:
   n_in, n_out = len(_internals.eqn_inputs(eqn)), len(eqn.outvars)
   if name == "scan":
     (body,) = _jaxprs(eqn)
-    return [_Inner(body, eqn, graph, 0, eqn.params["num_consts"], transposed)]
+    return [_Inner(body, eqn, graph, 0, _internals.scan_split(eqn.params)[0],
+                   transposed)]
   if name == "while":
     body = eqn.params["body_jaxpr"].jaxpr
     return [_Inner(body, eqn, graph, eqn.params["cond_nconsts"],

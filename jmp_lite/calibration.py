@@ -158,7 +158,7 @@ def _points(jaxpr, key=(), outer="", lengths=(), dead=()):
       found += _points(_closed(eqn.params[_CALLS[name]])[0], here, scope, lengths, ins)
     elif name == "scan":
       # A carry can come to depend on any operand.
-      nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+      nc, nk = _internals.scan_split(eqn.params)
       body_dead = ins[:nc] + [out_dead] * nk + ins[nc + nk:]
       found += _points(eqn.params["jaxpr"].jaxpr, here, scope,
                        lengths + (int(eqn.params["length"]),), body_dead)
@@ -221,7 +221,7 @@ def _scan(eqn, invals, key, perturb):
   """A ``scan`` equation, its body evaluated by `_evaluate` per iteration
   (the perturbations of its points are scanned over with ``xs``)."""
   p = eqn.params
-  n_consts, n_carry = p["num_consts"], p["num_carry"]
+  n_consts, n_carry = _internals.scan_split(p)
   consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], \
       invals[n_consts + n_carry:]
   inner = [k for k in perturb if len(k) > len(key) + 1 and k[:len(key)] == key]

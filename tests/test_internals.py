@@ -188,3 +188,28 @@ def test_a_traced_value_leads_to_its_equation_and_the_backward_pass_is_marked():
   jax.jit(f).trace(jnp.ones(3), jnp.ones(3))
   assert seen == {"mul": ("mul", 0, False), "grad": True, "arg": None}
   assert _internals.producer(jnp.ones(3)) is None  # a concrete array
+
+
+def test_scan_split_reads_how_a_scan_splits_its_operands():
+  c = jnp.arange(3.0)
+
+  def f(init, xs):
+    def body(carry, x):
+      a, b = carry
+      return (a + x * c, b + 1.0), a
+    return jax.lax.scan(body, init, xs)
+
+  jaxpr = jax.make_jaxpr(f)((jnp.zeros(3), jnp.zeros(())), jnp.ones((4, 3)))
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  n_consts, n_carry = _internals.scan_split(eqn.params)
+  assert (n_consts, n_carry) == (1, 2)
+  assert len(eqn.invars) == n_consts + n_carry + 1
+  # The carry's avals are the scan's first outputs.
+  assert ([v.aval for v in eqn.invars[n_consts:n_consts + n_carry]]
+          == [v.aval for v in eqn.outvars[:n_carry]])
+  more = _internals.with_more_consts("scan", eqn.params, 2)
+  assert _internals.scan_split(more) == (3, 2)
+  with pytest.raises(NotImplementedError, match="scan splits its operands"):
+    _internals.scan_split({"jaxpr": None})
+  with pytest.raises(NotImplementedError, match="how this JAX's scan counts"):
+    _internals.with_more_consts("scan", {"jaxpr": None}, 1)
