@@ -13,6 +13,7 @@ import re
 import warnings
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.ad_checkpoint  # print_saved_residuals
 import jax.numpy as jnp
@@ -168,3 +169,38 @@ def test_an_offloading_policy_recomputes_the_engines_matmuls_with_a_warning(
   expected = jax.grad(wrapped.apply)(params, x)
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(g)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class NnxAttention(nnx.Module):
+  """`Attention` in NNX."""
+
+  def __init__(self, rngs, dtype=None):
+    for name in "qkvo":
+      setattr(self, name, nnx.Linear(16, 16, dtype=dtype, rngs=rngs))
+
+  def __call__(self, x):
+    q, k, v = self.q(x), self.k(x), self.v(x)
+    logits = jnp.einsum("bqd,bkd->bqk", q, k)
+    w = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+    y = nnx.gelu(self.o(jnp.einsum("bqk,bkd->bqd", w, v)))
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+
+def _functional(model):
+  """``(f, state)``: ``f(state, x)`` runs ``model`` (NNX's split and merge)."""
+  graphdef, state = nnx.split(model)
+  return (lambda state, x: nnx.merge(graphdef, state)(x)), state
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_policy_around_a_wrapped_nnx_model_saves_what_nnx_bf16_saves(name):
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 16))
+  policy = POLICIES[name]
+  ours, state = _functional(
+      jmp_lite.flax.wrap(NnxAttention(nnx.Rngs(1)), POLICY))
+  flax_bf16, bf16_state = _functional(
+      NnxAttention(nnx.Rngs(1), dtype=jnp.bfloat16))
+  saved = _saved(jax.checkpoint(ours, policy=policy), state, x)
+  expected = _saved(jax.checkpoint(flax_bf16, policy=policy), bf16_state, x)
+  assert saved == expected, (saved, expected)
+  assert all(d == "bf16" for d, _ in saved)
