@@ -213,3 +213,15 @@ def test_scan_split_reads_how_a_scan_splits_its_operands():
     _internals.scan_split({"jaxpr": None})
   with pytest.raises(NotImplementedError, match="how this JAX's scan counts"):
     _internals.with_more_consts("scan", {"jaxpr": None}, 1)
+
+
+def test_scan_split_reads_jax_0_11s_one_tree_of_three_groups():
+  """From JAX 0.11 a scan records its operand groups as one flat tree
+  ``ft_in`` (consts, carry, xs) that ``unpack()`` splits; the layout the
+  suite's JAX records is tested above. (A stand-in tree: this JAX has none.)"""
+
+  class Tree:
+    def unpack(self):
+      return (None,) * 2, (None,) * 3, (None,)
+
+  assert _internals.scan_split({"ft_in": Tree(), "jaxpr": None}) == (2, 3)
