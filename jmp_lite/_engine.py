@@ -36,6 +36,7 @@ from jmp_lite import _accumulate
 from jmp_lite import _dtypes
 from jmp_lite import _internals
 from jmp_lite import _islands
+from jmp_lite import _probes
 from jmp_lite import _sink
 
 
@@ -291,7 +292,11 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
     traced = tuple(i for i, x in enumerate(leaves)
                    if isinstance(x, (jax.Array, np.ndarray)))
     dynamic = [leaves[i] for i in traced]
-    if not cache or any(isinstance(x, jax.core.Tracer) for x in dynamic):
+    # In a probe trace the marks `fun` makes must be made again (a cached
+    # trace holds the marks of the trace it was made in): a model without
+    # parameters, called on concrete inputs inside a telemetry step.
+    if (not cache or _probes.tapping_active()
+        or any(isinstance(x, jax.core.Tracer) for x in dynamic)):
       return run(dynamic, leaves, traced, treedef)
     static = tuple(None if i in traced else _freeze(x)
                    for i, x in enumerate(leaves))

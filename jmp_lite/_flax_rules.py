@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_lite import _fp8_sites
+from jmp_lite import _probes
 from jmp_lite._dtypes import is_narrow_float
 from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
@@ -165,6 +166,23 @@ def fp8_scope(rules: Rules, policy: Policy, path: str):
   if not has_fp8(rules):
     return contextlib.nullcontext()
   return jax.named_scope(_fp8_sites.mark(policy.fp8, path))
+
+
+def tap_and_cast(out, path: str, caller, policy: Policy):
+  """A wrapped module's ``out``, marked for telemetry (`_probes.tap`) and
+  cast for its caller (``caller``'s compute dtype) or, for the model itself,
+  to the policy's output dtype.
+
+  A submodule's output is marked as it computed it. The model's output is
+  marked after its cast, with the dtypes it was computed in as the view: its
+  statistics are the same, and its cotangent is measured before the backward
+  pass casts it back to the compute dtype, so that a loss cotangent that
+  cast flushes to zero entirely counts as underflow rather than as zeros.
+  """
+  if caller:
+    return caller.cast_to_compute(_probes.tap(out, path))
+  held = [getattr(x, "dtype", None) for x in jax.tree_util.tree_leaves(out)]
+  return _probes.tap(policy.cast_to_output(out), path, view=held, cast_back=True)
 
 
 def keep_carry(args, out):

@@ -101,7 +101,8 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan,
     for j, p in points:
       slot = carrier[p.offset:p.offset + p.width]
       if p.live:
-        outs[j], stats = _probes.probe(outs[j], slot, p.thresholds, gate, p.view)
+        outs[j], stats = _probes.probe(outs[j], slot, p.thresholds, gate, p.view,
+                                       cast_back=p.cast_back)
       else:  # no gradient reaches it: no cotangent to measure, none made
         stats = _probes.forward(outs[j], slot, p.thresholds, gate, p.view)
       found.append((p.offset, stats))

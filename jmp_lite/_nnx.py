@@ -25,6 +25,7 @@ from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
 from jmp_lite._flax_rules import fp8_scope
 from jmp_lite._flax_rules import path_str
+from jmp_lite._flax_rules import tap_and_cast
 from jmp_lite.policy import Policy
 
 @functools.cache
@@ -47,8 +48,8 @@ def _casting_class(cls: type) -> type:
         out = cls.__call__(self, *args, **kwargs)
     finally:
       stack.pop()
-    out = _probes.tap(out, self._jmp_lite_path)  # in a telemetry trace only
-    out = caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+    # In a telemetry trace only (see `tap_and_cast`).
+    out = tap_and_cast(out, self._jmp_lite_path, caller, policy)
     return keep_carry(given, out)
 
   return type(cls.__name__, (cls,), {"__call__": __call__,

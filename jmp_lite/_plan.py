@@ -35,7 +35,10 @@ class Point:
   path: str
   dtype: str
   thresholds: _probes.Thresholds
-  view: Any = None  # the dtype a marked parameter is cast to (`_probes.tap`)
+  view: Any = None  # the dtype a marked value is held in across a cast (`_probes.tap`)
+  # Whether its cotangent is measured as ``view`` holds it too: a model output
+  # marked after its cast to a wider output dtype (`_probes.tap`'s ``cast_back``).
+  cast_back: bool = False
   recipe: Optional[tuple[str, str]] = None  # an fp8 matmul site's formats
   scaling: str = "delayed"  # an fp8 matmul site's: "delayed" or "current"
   # An fp8 site's, per enclosing scan (outermost first): whether it is one
@@ -88,11 +91,12 @@ class Planner:
     self.what_if = tuple(what_if)
     self.fp8 = fp8
 
-  def point(self, plan, key, path, aval, view=None, live=True):
+  def point(self, plan, key, path, aval, view=None, live=True, cast_back=False):
     dtype = np.dtype(aval.dtype if view is None else view)
     view = None if dtype == np.dtype(aval.dtype) else dtype
     point = Point(plan.size, path, dtype.name,
-                  _probes.thresholds(dtype, self.what_if), view, live=live)
+                  _probes.thresholds(dtype, self.what_if), view, live=live,
+                  cast_back=cast_back and view is not None)
     plan.points.setdefault(key[0], []).append((key[1], point))
     plan.size += point.width
 
@@ -112,8 +116,9 @@ class Planner:
       if k is not None:
         if self.mode == "modules":
           for j, v in enumerate(eqn.outvars):
-            path, views = self.tap_paths[k]
-            self.point(plan, (i, j), path, v.aval, views[j], live=out_live)
+            path, views, cast_back = self.tap_paths[k]
+            self.point(plan, (i, j), path, v.aval, views[j], live=out_live,
+                       cast_back=cast_back)
         continue
       recipe, site = self.fp8.choose(eqn, where) if self.fp8 else (None, "")
       if recipe is not None:

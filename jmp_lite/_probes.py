@@ -82,7 +82,12 @@ def tapping():
     _taps.paths = saved
 
 
-def tap(tree: Any, path: str, view=None) -> Any:
+def tapping_active() -> bool:
+  """Whether `tap` marks values here (inside `tapping`)."""
+  return _taps.paths is not None
+
+
+def tap(tree: Any, path: str, view=None, cast_back: bool = False) -> Any:
   """Marks ``tree``'s floating leaves as the value of ``path`` in a probe trace.
 
   The mark is a ``jit`` of the identity whose name indexes ``path``: every
@@ -90,9 +95,15 @@ def tap(tree: Any, path: str, view=None) -> Any:
   as it is, and the probe pass finds it. Outside a probe trace, and for
   non-floating leaves, nothing happens.
 
-  ``view``: the dtype the value is about to be cast to (a parameter, marked
-  before its cast to the compute dtype). Its forward statistics are those
-  of the cast value, and both sides count underflow in that dtype.
+  ``view``: the dtype the value is held in on the other side of a cast, one
+  for all leaves or a list with one per leaf of ``tree`` (None: no cast). A
+  parameter is marked before its cast to the compute dtype: its forward
+  statistics are those of the cast value, counting as underflow what the
+  cast flushes to zero (`statistics`); its cotangent is measured as it is
+  (the cast's transpose widens it). With ``cast_back``, a model's output
+  marked after its cast from the compute dtype to a wider output dtype: its
+  cotangent is measured as the backward pass casts it back to ``view``, what
+  that cast flushes counted.
   """
   paths = _taps.paths
   if paths is None:
@@ -104,8 +115,13 @@ def tap(tree: Any, path: str, view=None) -> Any:
   # Each value's dtype as marked: `jmp_lite._sink` may widen the mark's
   # operands later (moving a downcast past it), and the statistics stay in
   # this dtype.
-  paths.append((path, tuple(np.dtype(leaves[i].dtype if view is None else view)
-                            for i in where)))
+  views = (list(view) if isinstance(view, (list, tuple))
+           else [view] * len(leaves))
+  if len(views) != len(leaves):
+    raise ValueError(f"tap({path!r}): {len(views)} view dtypes for "
+                     f"{len(leaves)} leaves")
+  paths.append((path, tuple(np.dtype(leaves[i].dtype if views[i] is None
+                                     else views[i]) for i in where), cast_back))
 
   def identity(*xs):
     return xs
@@ -139,16 +155,25 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
   """``[max finite |x|, #non-finite, #non-zero finite, #upper bin, #elements,
   #below each tiny]``.
 
-  Of ``x`` cast to ``view`` first, if given.
+  Of ``x`` as ``view`` holds it, if given (``x`` cast to it). A value the
+  cast flushes to zero counts as non-zero and below every tiny: it is the
+  total underflow a loss scale exists to prevent, which the cast value alone
+  cannot tell from a zero. (A cast to a wider ``view`` flushes nothing.)
   """
+  flushed = None
   if view is not None:
+    wide = jnp.abs(_exact.widen(x))
     x = x.astype(view)
+    # (inf and NaN stay themselves in the cast: never flushed.)
+    flushed = (wide > 0) & (_exact.widen(x) == 0)
   # `_exact.widen`: the values of x's own dtype (an overflow is inf, a
   # flushed value 0) even where XLA:GPU keeps a narrow x in float32.
   a = jnp.abs(_exact.widen(x)).astype(jnp.float32)
   finite = jnp.isfinite(a)
   a = jnp.where(finite, a, 0.0)
   nonzero = a > 0
+  if flushed is not None:
+    nonzero = nonzero | flushed  # `a` is 0 there: below every tiny
   count = lambda m: jnp.sum(m, dtype=jnp.int32).astype(jnp.float32)
   out = [jnp.max(a, initial=0.0), count(~finite), count(nonzero),
          count(~finite | (a >= th.upper)), jnp.float32(a.size)]
@@ -157,7 +182,8 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
 
 
 def probe(x: jax.Array, carrier: jax.Array, th: Thresholds,
-          gate: Optional[jax.Array] = None, view=None) -> tuple[jax.Array, jax.Array]:
+          gate: Optional[jax.Array] = None, view=None,
+          cast_back: bool = False) -> tuple[jax.Array, jax.Array]:
   """``(x, its forward statistics)``, with its cotangent's in ``carrier``'s cotangent.
 
   The forward statistics fill the first half of the carrier's slice (the
@@ -169,12 +195,14 @@ def probe(x: jax.Array, carrier: jax.Array, th: Thresholds,
 
   Under ``shard_map`` the carrier varies over every manual axis (see
   `_instrument`): per-device statistics are typed so before they are
-  returned. ``view``: see `tap`.
+  returned. ``view``, ``cast_back``: see `tap`.
   """
   axes = tuple(sorted(_replicas.varying_axes(carrier)))
   gated = gate is not None
   stats = forward(x, carrier, th, gate, view)
-  return _probe(x, carrier, gate if gated else jnp.float32(1), th, axes, gated), stats
+  back = np.dtype(view) if cast_back and view is not None else None
+  return (_probe(x, carrier, gate if gated else jnp.float32(1), th, axes, gated,
+                 back), stats)
 
 
 def forward(x: jax.Array, carrier: jax.Array, th: Thresholds,
@@ -205,19 +233,21 @@ def _measure(x, gate, th, view, gated):
   return jax.lax.cond(gate > 0, lambda v: statistics(v, th, view), skip, x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _probe(x, carrier, gate, th, axes, gated):
-  del carrier, gate, th, axes, gated
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _probe(x, carrier, gate, th, axes, gated, view):
+  del carrier, gate, th, axes, gated, view
   return x
 
 
-def _probe_fwd(x, carrier, gate, th, axes, gated):
-  del carrier, th, axes, gated
+def _probe_fwd(x, carrier, gate, th, axes, gated, view):
+  del carrier, th, axes, gated, view
   return x, gate
 
 
-def _probe_bwd(th, axes, gated, gate, g):
-  backward = _measure(g, gate, th, None, gated)
+def _probe_bwd(th, axes, gated, view, gate, g):
+  # With a ``view`` (`tap`'s ``cast_back``), the cotangent as the backward
+  # pass casts it back to the compute dtype, what that cast flushes counted.
+  backward = _measure(g, gate, th, view, gated)
   stats = jnp.concatenate([jnp.zeros_like(backward), backward])
   return g, _varying(stats, axes), jnp.zeros_like(gate)
 

@@ -92,6 +92,7 @@ from jmp_lite._flax_rules import dtype_overrides
 from jmp_lite._flax_rules import fp8_scope
 from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
+from jmp_lite._flax_rules import tap_and_cast
 from jmp_lite._flax_rules import path_str
 from jmp_lite._nnx import NnxWrapper
 from jmp_lite.policy import Policy
@@ -197,9 +198,11 @@ class _LinenInterceptor:
           out = run(*args, **kwargs)
     finally:
       self.stack.pop()
-    # In a telemetry trace: the module's output as it computed it.
-    out = _probes.tap(out, path)
-    out = caller.cast_to_compute(out) if caller else policy.cast_to_output(out)
+    # In a telemetry trace: the module's output as it computed it. The
+    # model's own output is marked after its cast to the output dtype, so that
+    # the backward pass's cast of the loss's cotangent back to the compute
+    # dtype, where it can underflow entirely, is measured (`_probes.tap`).
+    out = tap_and_cast(out, path, caller, policy)
     return keep_carry(given, out)
 
 

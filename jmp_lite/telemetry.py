@@ -131,7 +131,11 @@ class ModuleStats:
     forward_nonfinite: count of inf/NaN elements of the output.
     forward_underflow: per dtype name (``dtype`` and each ``what_if``): of
       the non-zero finite elements, the fraction below that dtype's smallest
-      normal (subnormal there, or flushed to zero).
+      normal (subnormal there, or flushed to zero). Where the value crosses
+      a cast (a parameter cast to the compute dtype; the model's output cast
+      to the output dtype, whose cotangent the backward pass casts back), a
+      value that cast turns into zero counts as non-zero and underflowed: a
+      total flush reads 1.0, not 0.
     backward_max, backward_nonfinite, backward_underflow: the same of the
       output's cotangent (scaled by the loss scale).
   """
@@ -155,7 +159,9 @@ class PrecisionStats:
       statistics of a step that was not are zeros.
     modules: path -> `ModuleStats`; ``""`` is the wrapped model itself.
     cotangent_underflow: of all non-zero cotangents held in a 16-bit (or
-      narrower) float, the fraction below that dtype's smallest normal.
+      narrower) float, the fraction below that dtype's smallest normal,
+      counting as non-zero and below it the loss cotangents that the cast
+      into the model's compute dtype flushes to zero (see ``ModuleStats``).
     cotangent_headroom: the smallest ratio, over those dtypes' modules, of
       the dtype's maximum to the largest cotangent (inf if none): how many
       times the loss scale could still grow. `jmp_lite.UnderflowAwareLossScale`

@@ -11,7 +11,9 @@ although scaling exists to fight *underflow*. `UnderflowAwareLossScale` is a
 `jmp_lite.DynamicLossScale` whose ``adjust`` also takes what precision
 telemetry measured in the same step (`jmp_lite.Telemetry`): the fraction of
 the non-zero cotangents held in a 16-bit (or narrower) float that were
-subnormal or flushed to zero, and the headroom left (the dtype's maximum
+subnormal or flushed to zero (a loss cotangent that the backward pass's cast
+into the model's compute dtype turns into 0 counts: when everything
+underflows the share is 1, not 0/0), and the headroom left (the dtype's maximum
 over the largest such cotangent). On a finite step where that fraction is
 above ``underflow_threshold`` and the headroom exceeds ``factor * margin``,
 it grows at once instead of waiting for ``period``: it grows where growing

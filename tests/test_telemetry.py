@@ -604,3 +604,22 @@ def test_telemetry_is_bitwise_neutral_without_excess_precision():
                         text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.split()[-1] == "SAME"
+
+
+def test_a_model_without_parameters_on_concrete_inputs_is_measured():
+  """The engine caches its trace of a call on concrete arrays; inside a
+  telemetry step that trace would hold the marks of an earlier trace (an
+  IndexError before). Such a call is traced again there."""
+
+  class Double(nn.Module):
+    def __call__(self, x):
+      return x * 2.0
+
+  model = jmp_lite.flax.wrap(Double(), "p=f32,c=f16,o=f32")
+  x = jnp.ones((2, 3))
+  model.init(jax.random.key(0), x)  # a cached trace for these arguments
+  model.apply({}, x)
+  loss = lambda w: jnp.sum(model.apply({}, x) * w)
+  _, _, _, stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())(
+      jnp.ones(3), loss_scale=jmp_lite.StaticLossScale(1.0))
+  assert float(stats.modules[""].forward_max) == 2.0

@@ -222,3 +222,76 @@ def test_a_growth_on_underflow_refills_hysteresis_as_a_period_growth_does():
   ref = ref.adjust(jnp.bool_(False)).adjust(jnp.bool_(True)).adjust(jnp.bool_(False))
   assert float(ref.loss_scale) == 2048.0
   assert int(ref.hysteresis_left) == int(ls.hysteresis_left) == 1
+
+
+def _gain_model():
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jmp_lite.flax  # noqa: F401  pylint: disable=g-import-not-at-top
+
+  class Gain(nn.Module):
+    """``x * g``: the loss's cotangent reaches the output as it is."""
+
+    @nn.compact
+    def __call__(self, x):
+      return x * self.param("g", nn.initializers.ones, (x.shape[-1],))
+
+  return jmp_lite.flax.wrap(Gain(), "p=f32,c=f16,o=f32")
+
+
+def _crafted(case, shape=(16, 8)):
+  """Loss cotangents in float32: float16-normal, subnormal, flushed to zero,
+  or a mix, each with zeros that were zeros in float32 too."""
+  rng = np.random.default_rng(0)
+  if case == "mixed":
+    mags = rng.choice([0.0, 1e-3, 1e-6, 3.1e-8, 2.9e-8, 1e-8], size=shape)
+    return (mags * rng.choice([-1.0, 1.0], size=shape)).astype(np.float32)
+  c = np.full(shape, {"normal": 1e-3, "subnormal": 1e-6, "flushed": 1e-8}[case],
+              np.float32)
+  c[0] = 0.0
+  return c
+
+
+@pytest.mark.parametrize("case", ["normal", "subnormal", "flushed", "mixed"])
+def test_the_underflow_measure_counts_what_the_cast_to_float16_flushes(case):
+  """The model's output is float16, the loss float32: the backward pass casts
+  the loss's cotangent to float16, where values below 2**-25 become 0. Those
+  count as underflow (before, a total flush read 0.0, with headroom inf)."""
+  model, c = _gain_model(), _crafted(case)
+  x = jnp.ones(c.shape)
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p: jnp.sum(model.apply({"params": p}, x) * c)
+  _, _, _, stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())(
+      params, loss_scale=jmp_lite.StaticLossScale(1.0))
+  # Oracle: NumPy's cast of the same cotangents to float16.
+  c16 = np.abs(c.astype(np.float16).astype(np.float32))
+  nonzero = c != 0
+  flushed = nonzero & (c16 == 0)
+  under = nonzero & (c16 < F16.smallest_normal)
+  out = stats.modules[""]
+  np.testing.assert_allclose(float(out.backward_underflow["float16"]),
+                             under.sum() / nonzero.sum(), rtol=1e-6)
+  assert float(out.backward_max) == float(c16.max())
+  if case == "flushed":
+    assert flushed.sum() == nonzero.sum() > 0
+    # Every cotangent underflowed: the measure a loss scale grows on says so.
+    assert float(stats.cotangent_underflow) == 1.0
+  if case == "normal":
+    assert float(stats.cotangent_underflow) == 0.0
+  if case == "mixed":
+    assert 0 < flushed.sum() < under.sum() < nonzero.sum()
+
+
+def test_a_parameter_that_float16_flushes_counts_as_forward_underflow():
+  model = _gain_model()
+  x = jnp.ones((4, 8))
+  g = np.ones(8, np.float32)
+  g[:3] = [1e-8, -2e-8, 1e-6]  # two flushed, one subnormal in float16
+  params = {"g": jnp.asarray(g)}
+  loss = lambda p: jnp.sum(model.apply({"params": p}, x))
+  _, _, _, stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())(
+      params, loss_scale=jmp_lite.StaticLossScale(1.0))
+  g16 = np.abs(g.astype(np.float16).astype(np.float32))
+  expected = ((g != 0) & (g16 < F16.smallest_normal)).sum() / (g != 0).sum()
+  np.testing.assert_allclose(float(stats.modules["g"].forward_underflow["float16"]),
+                             expected, rtol=1e-6)
+  assert expected == 3 / 8
