@@ -135,7 +135,9 @@ class ModuleStats:
       a cast (a parameter cast to the compute dtype; the model's output cast
       to the output dtype, whose cotangent the backward pass casts back), a
       value that cast turns into zero counts as non-zero and underflowed: a
-      total flush reads 1.0, not 0.
+      total flush reads 1.0, not 0. (A cotangent that an operation inside
+      the model rounds to zero is not told apart from a zero: only casts
+      are seen.)
     backward_max, backward_nonfinite, backward_underflow: the same of the
       output's cotangent (scaled by the loss scale).
   """
