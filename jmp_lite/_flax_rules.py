@@ -174,14 +174,21 @@ def tap_and_cast(out, path: str, caller, policy: Policy):
   to the policy's output dtype.
 
   A submodule's output is marked as it computed it. The model's output is
-  marked after its cast, with the dtypes it was computed in as the view: its
-  statistics are the same, and its cotangent is measured before the backward
-  pass casts it back to the compute dtype, so that a loss cotangent that
-  cast flushes to zero entirely counts as underflow rather than as zeros.
+  marked after its cast to a wider (or the same) output dtype, with the
+  dtypes it was computed in as the view: its statistics are the same, and
+  its cotangent is measured before the backward pass casts it back to the
+  compute dtype, so that a loss cotangent that cast flushes to zero counts
+  as underflow rather than as zeros. An output that the cast narrows is
+  marked before it, as computed.
   """
   if caller:
     return caller.cast_to_compute(_probes.tap(out, path))
   held = [getattr(x, "dtype", None) for x in jax.tree_util.tree_leaves(out)]
+  wide = np.dtype(policy.output_dtype).itemsize
+  if any(d is not None and jnp.issubdtype(d, jnp.floating)
+         and np.dtype(d).itemsize > wide for d in held):
+    # An output rounded on its way out (c=f32,o=bf16): measured as computed.
+    return policy.cast_to_output(_probes.tap(out, path))
   return _probes.tap(policy.cast_to_output(out), path, view=held, cast_back=True)
 
 

@@ -224,7 +224,7 @@ def test_a_growth_on_underflow_refills_hysteresis_as_a_period_growth_does():
   assert int(ref.hysteresis_left) == int(ls.hysteresis_left) == 1
 
 
-def _gain_model():
+def _gain_model(policy="p=f32,c=f16,o=f32"):
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jmp_lite.flax  # noqa: F401  pylint: disable=g-import-not-at-top
 
@@ -235,7 +235,7 @@ def _gain_model():
     def __call__(self, x):
       return x * self.param("g", nn.initializers.ones, (x.shape[-1],))
 
-  return jmp_lite.flax.wrap(Gain(), "p=f32,c=f16,o=f32")
+  return jmp_lite.flax.wrap(Gain(), policy)
 
 
 def _crafted(case, shape=(16, 8)):
@@ -295,3 +295,16 @@ def test_a_parameter_that_float16_flushes_counts_as_forward_underflow():
   np.testing.assert_allclose(float(stats.modules["g"].forward_underflow["float16"]),
                              expected, rtol=1e-6)
   assert expected == 3 / 8
+
+
+def test_an_output_narrowed_on_its_way_out_is_measured_as_computed():
+  """c=f32,o=bf16: the model's output row is the float32 value it computed,
+  not its bfloat16 rounding (1 + 2**-10 is not a bfloat16)."""
+  model = _gain_model("p=f32,c=f32,o=bf16")
+  x = jnp.full((2, 8), 1.0 + 2.0 ** -10, jnp.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p: jnp.sum(model.apply({"params": p}, x).astype(jnp.float32))
+  _, _, _, stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())(
+      params, loss_scale=jmp_lite.StaticLossScale(1.0))
+  assert stats.modules[""].dtype == "float32"
+  assert float(stats.modules[""].forward_max) == 1.0 + 2.0 ** -10
