@@ -168,26 +168,35 @@ def fp8_scope(rules: Rules, policy: Policy, path: str):
   return jax.named_scope(_fp8_sites.mark(policy.fp8, path))
 
 
+def _holds(wide, narrow) -> bool:
+  """Whether float dtype ``wide`` holds every value of ``narrow`` (a cast
+  to it is exact): more significand bits and a range that covers it."""
+  w, n = jnp.finfo(wide), jnp.finfo(narrow)
+  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
 def tap_and_cast(out, path: str, caller, policy: Policy):
   """A wrapped module's ``out``, marked for telemetry (`_probes.tap`) and
   cast for its caller (``caller``'s compute dtype) or, for the model itself,
   to the policy's output dtype.
 
   A submodule's output is marked as it computed it. The model's output is
-  marked after its cast to a wider (or the same) output dtype, with the
-  dtypes it was computed in as the view: its statistics are the same, and
-  its cotangent is measured before the backward pass casts it back to the
-  compute dtype, so that a loss cotangent that cast flushes to zero counts
-  as underflow rather than as zeros. An output that the cast narrows is
-  marked before it, as computed.
+  marked after its cast to the output dtype where that cast is exact (to a
+  dtype holding every value of the computed one), with the dtypes it was
+  computed in as the view: its statistics are the same, and its cotangent
+  is measured before the backward pass casts it back to the compute dtype,
+  so that a loss cotangent that cast flushes to zero counts as underflow
+  rather than as zeros. If any leaf's cast rounds (float32 to bfloat16,
+  float16 to bfloat16), the output is marked before the cast, as computed.
   """
   if caller:
     return caller.cast_to_compute(_probes.tap(out, path))
   held = [getattr(x, "dtype", None) for x in jax.tree_util.tree_leaves(out)]
-  wide = np.dtype(policy.output_dtype).itemsize
+  wide = np.dtype(policy.output_dtype)
   if any(d is not None and jnp.issubdtype(d, jnp.floating)
-         and np.dtype(d).itemsize > wide for d in held):
-    # An output rounded on its way out (c=f32,o=bf16): measured as computed.
+         and not _holds(wide, d) for d in held):
+    # A cast that rounds (c=f32,o=bf16; float16 <-> bfloat16): the output is
+    # measured as computed, for every leaf.
     return policy.cast_to_output(_probes.tap(out, path))
   return _probes.tap(policy.cast_to_output(out), path, view=held, cast_back=True)
 

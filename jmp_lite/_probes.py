@@ -156,9 +156,11 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
   #below each tiny]``.
 
   Of ``x`` as ``view`` holds it, if given (``x`` cast to it). A value the
-  cast flushes to zero counts as non-zero and below every tiny: it is the
-  total underflow a loss scale exists to prevent, which the cast value alone
-  cannot tell from a zero. (A cast to a wider ``view`` flushes nothing.)
+  cast flushes to zero counts as non-zero and below ``view``'s tiny: it is
+  the total underflow a loss scale exists to prevent, which the cast value
+  alone cannot tell from a zero. Against a what-if dtype's tiny it counts by
+  its magnitude before the cast. (A cast to a wider ``view`` flushes
+  nothing.)
   """
   flushed = None
   if view is not None:
@@ -172,12 +174,16 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
   finite = jnp.isfinite(a)
   a = jnp.where(finite, a, 0.0)
   nonzero = a > 0
+  # Compared with each tiny: the magnitude as held, or, where the cast
+  # flushed it, as it was before (a what-if dtype may hold it as a normal).
+  magnitude = a
   if flushed is not None:
-    nonzero = nonzero | flushed  # `a` is 0 there: below every tiny
+    nonzero = nonzero | flushed
+    magnitude = jnp.where(flushed, wide.astype(jnp.float32), a)
   count = lambda m: jnp.sum(m, dtype=jnp.int32).astype(jnp.float32)
   out = [jnp.max(a, initial=0.0), count(~finite), count(nonzero),
          count(~finite | (a >= th.upper)), jnp.float32(a.size)]
-  out += [count(nonzero & (a < t)) for t in th.tinies]
+  out += [count(nonzero & (magnitude < t)) for t in th.tinies]
   return jnp.stack(out)
 
 

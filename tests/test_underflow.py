@@ -260,7 +260,8 @@ def test_the_underflow_measure_counts_what_the_cast_to_float16_flushes(case):
   x = jnp.ones(c.shape)
   params = model.init(jax.random.key(0), x)["params"]
   loss = lambda p: jnp.sum(model.apply({"params": p}, x) * c)
-  _, _, _, stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())(
+  telemetry = jmp_lite.Telemetry(what_if=("bfloat16",))
+  _, _, _, stats = jmp_lite.value_and_grad(loss, telemetry=telemetry)(
       params, loss_scale=jmp_lite.StaticLossScale(1.0))
   # Oracle: NumPy's cast of the same cotangents to float16.
   c16 = np.abs(c.astype(np.float16).astype(np.float32))
@@ -271,6 +272,8 @@ def test_the_underflow_measure_counts_what_the_cast_to_float16_flushes(case):
   np.testing.assert_allclose(float(out.backward_underflow["float16"]),
                              under.sum() / nonzero.sum(), rtol=1e-6)
   assert float(out.backward_max) == float(c16.max())
+  # What float16 flushes, bfloat16 holds as normal numbers (its tiny is 1e-38).
+  assert float(out.backward_underflow["bfloat16"]) == 0.0
   if case == "flushed":
     assert flushed.sum() == nonzero.sum() > 0
     # Every cotangent underflowed: the measure a loss scale grows on says so.
@@ -308,3 +311,21 @@ def test_an_output_narrowed_on_its_way_out_is_measured_as_computed():
       params, loss_scale=jmp_lite.StaticLossScale(1.0))
   assert stats.modules[""].dtype == "float32"
   assert float(stats.modules[""].forward_max) == 1.0 + 2.0 ** -10
+
+
+@pytest.mark.parametrize("policy", ["p=f32,c=f16,o=bf16", "p=f32,c=bf16,o=f16"])
+def test_an_output_cast_between_half_formats_is_measured_as_computed(policy):
+  """float16 <-> bfloat16 rounds both ways (65504 becomes 65536 in bfloat16,
+  inf in float16): the model's row is what it computed, not the cast."""
+  model = _gain_model(policy)
+  x = jnp.asarray([[65504.0, 1.0, 1.0, 1.0]], jnp.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p: jnp.sum(model.apply({"params": p}, x).astype(jnp.float32))
+  _, _, _, stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())(
+      params, loss_scale=jmp_lite.StaticLossScale(1.0))
+  computed = jnp.asarray(x, policy.split(",")[1][2:].replace("f16", "float16")
+                         .replace("bf16", "bfloat16"))
+  row = stats.modules[""]
+  assert row.dtype == str(computed.dtype)
+  assert float(row.forward_max) == float(jnp.max(computed.astype(jnp.float32)))
+  assert int(row.forward_nonfinite) == 0
