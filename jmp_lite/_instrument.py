@@ -225,15 +225,14 @@ def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None)
     out, out_tree["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
     return out
 
-  with _probes.tapping() as paths:
+  with _probes.tapping():
     closed = jax.make_jaxpr(flat_fun)(*(leaves[i] for i in traced))
-  planner.tap_paths = list(paths)
   return closed, planner.plan(closed.jaxpr, "", live), traced, out_tree
 
 
 def fp8_sites(fun, args, kwargs, fp8: Fp8Selection) -> list[tuple[str, tuple, tuple]]:
   """``(name, leading shape, recipe)`` of each fp8 matmul ``fun(*args)`` makes."""
-  _, plan, _, _ = _trace(fun, args, kwargs, Planner(None, (), (), fp8))
+  _, plan, _, _ = _trace(fun, args, kwargs, Planner(None, (), fp8))
   return [(name, p.state_shape(idx.shape[:-1]), p.recipe) for name, p, idx in sites(plan)]
 
 
@@ -256,7 +255,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
   def g(gate, fp8_state, *args, **kwargs):
     nums = tuple(a % len(args) for a in argnums)  # -1: the last argument
     closed, plan, traced, out_tree = _trace(fun, args, kwargs,
-                                            Planner(mode, (), what_if, fp8), nums)
+                                            Planner(mode, what_if, fp8), nums)
     slots = sites(plan)
 
     def probed(carrier, *args, **kwargs):
@@ -295,7 +294,7 @@ def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
                     f"got {type(fp8_state).__name__}")
   selection = Fp8Selection(fp8_state.select, fp8_state.recipe, fp8_state.scaling)
   closed, plan, traced, out_tree = _trace(fun, args, kwargs,
-                                          Planner(None, (), (), selection))
+                                          Planner(None, (), selection))
   carrier = _carrier(plan, sites(plan), fp8_state)
   now = jax.tree_util.tree_leaves((args, kwargs))
   outs, _ = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced], carrier, plan)

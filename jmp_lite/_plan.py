@@ -84,10 +84,9 @@ class Plan:
 class Planner:
   """Builds plans: which values are probed, and their paths."""
 
-  def __init__(self, mode: Optional[str], tap_paths: Sequence[str], what_if,
+  def __init__(self, mode: Optional[str], what_if,
                fp8: Optional["Fp8Selection"] = None):
     self.mode = mode
-    self.tap_paths = tap_paths
     self.what_if = tuple(what_if)
     self.fp8 = fp8
 
@@ -112,11 +111,11 @@ class Planner:
       out_live = any(ins) and eqn.primitive.name != "stop_gradient"
       if out_live:
         alive.update(eqn.outvars)
-      k = _probes.tap_index(eqn)
-      if k is not None:
+      tapped = _probes.tap_info(eqn)
+      if tapped is not None:
         if self.mode == "modules":
           for j, v in enumerate(eqn.outvars):
-            path, views, cast_back = self.tap_paths[k]
+            path, views, cast_back = tapped
             self.point(plan, (i, j), path, v.aval, views[j], live=out_live,
                        cast_back=cast_back)
         continue

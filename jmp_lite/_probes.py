@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import threading
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -72,7 +73,8 @@ _taps = _Taps()
 def tapping():
   """Within it, `tap` marks values (a probe trace); outside, `tap` is a no-op.
 
-  Yields the list of tapped paths, indexed by the number in each tap's name.
+  Yields the list of what was marked, ``(path, dtypes, cast_back)`` in
+  order (each mark's name also says it: `tap_info`).
   """
   saved = _taps.paths
   _taps.paths = []
@@ -90,7 +92,8 @@ def tapping_active() -> bool:
 def tap(tree: Any, path: str, view=None, cast_back: bool = False) -> Any:
   """Marks ``tree``'s floating leaves as the value of ``path`` in a probe trace.
 
-  The mark is a ``jit`` of the identity whose name indexes ``path``: every
+  The mark is a ``jit`` of the identity whose name encodes ``path`` (and the
+  dtypes below; `tap_info` reads them): every
   rewrite of jmp_lite (the precision engine, autocast) and of JAX keeps it
   as it is, and the probe pass finds it. Outside a probe trace, and for
   non-floating leaves, nothing happens.
@@ -120,27 +123,32 @@ def tap(tree: Any, path: str, view=None, cast_back: bool = False) -> Any:
   if len(views) != len(leaves):
     raise ValueError(f"tap({path!r}): {len(views)} view dtypes for "
                      f"{len(leaves)} leaves")
-  paths.append((path, tuple(np.dtype(leaves[i].dtype if views[i] is None
-                                     else views[i]) for i in where), cast_back))
+  info = (path, tuple(np.dtype(leaves[i].dtype if views[i] is None
+                               else views[i]).name for i in where), bool(cast_back))
+  paths.append(info)
 
   def identity(*xs):
     return xs
 
-  identity.__name__ = f"{TAP_PREFIX}{len(paths) - 1}"
+  # The mark says what it marks: a trace that JAX's or the engine's cache
+  # serves again in a later probe trace is read the same.
+  identity.__name__ = TAP_PREFIX + json.dumps(info).encode().hex()
   marked = jax.jit(identity)(*(leaves[i] for i in where))
   for i, x in zip(where, marked):
     leaves[i] = x
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def tap_index(eqn) -> Optional[int]:
-  """The tap number of a ``jit`` equation `tap` made, else None."""
+def tap_info(eqn) -> Optional[tuple[str, tuple[str, ...], bool]]:
+  """``(path, dtype of each marked value, cast_back)`` of a ``jit`` equation
+  `tap` made, else None."""
   if eqn.primitive.name not in ("jit", "pjit"):
     return None
   name = str(eqn.params.get("name", ""))
   if not name.startswith(TAP_PREFIX):
     return None
-  return int(name[len(TAP_PREFIX):])
+  path, dtypes, cast_back = json.loads(bytes.fromhex(name[len(TAP_PREFIX):]))
+  return path, tuple(dtypes), cast_back
 
 
 def thresholds(dtype, what_if: Sequence[Any]) -> Thresholds:

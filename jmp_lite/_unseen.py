@@ -42,7 +42,7 @@ def count(jaxpr, where: str, choose: Optional[Callable], join: Callable) -> tupl
   fp8 = marks = 0
   for eqn in jaxpr.eqns:
     inner = join(where, str(eqn.source_info.name_stack))
-    if _probes.tap_index(eqn) is not None:
+    if _probes.tap_info(eqn) is not None:
       marks += 1
       continue
     if choose is not None and choose(eqn, inner)[0] is not None:

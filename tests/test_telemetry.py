@@ -623,3 +623,26 @@ def test_a_model_without_parameters_on_concrete_inputs_is_measured():
   _, _, _, stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())(
       jnp.ones(3), loss_scale=jmp_lite.StaticLossScale(1.0))
   assert float(stats.modules[""].forward_max) == 2.0
+
+
+def test_a_jitted_model_served_from_jaxs_cache_is_measured_again():
+  """``jax.jit(model.apply)`` inside the loss: the second telemetry step gets
+  JAX's cached trace, with the marks the first one made; they say what they
+  mark, so the same rows come back (an IndexError before)."""
+
+  class Gain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x * self.param("g", nn.initializers.ones, (x.shape[-1],))
+
+  model = jmp_lite.flax.wrap(Gain(), "p=f32,c=f16,o=f32")
+  x = jnp.ones((4, 8))
+  params = model.init(jax.random.key(0), x)
+  forward = jax.jit(model.apply)
+  vg = jmp_lite.value_and_grad(lambda p: jnp.sum(forward(p, x)),
+                               telemetry=jmp_lite.Telemetry())
+  rows = []
+  for _ in range(2):
+    _, _, _, stats = vg(params, loss_scale=jmp_lite.StaticLossScale(1.0))
+    rows.append({k: float(m.forward_max) for k, m in stats.modules.items()})
+  assert rows[0] == rows[1] == {"": 1.0, "g": 1.0}
