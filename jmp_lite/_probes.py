@@ -63,7 +63,7 @@ def width(n_dtypes: int) -> int:
 
 class _Taps(threading.local):
   def __init__(self):
-    self.paths: Optional[list[str]] = None
+    self.active = False
 
 
 _taps = _Taps()
@@ -73,20 +73,19 @@ _taps = _Taps()
 def tapping():
   """Within it, `tap` marks values (a probe trace); outside, `tap` is a no-op.
 
-  Yields the list of what was marked, ``(path, dtypes, cast_back)`` in
-  order (each mark's name also says it: `tap_info`).
+  Each mark's name says what it marks (`tap_info`).
   """
-  saved = _taps.paths
-  _taps.paths = []
+  saved = _taps.active
+  _taps.active = True
   try:
-    yield _taps.paths
+    yield
   finally:
-    _taps.paths = saved
+    _taps.active = saved
 
 
 def tapping_active() -> bool:
   """Whether `tap` marks values here (inside `tapping`)."""
-  return _taps.paths is not None
+  return _taps.active
 
 
 def tap(tree: Any, path: str, view=None, cast_back: bool = False) -> Any:
@@ -108,8 +107,7 @@ def tap(tree: Any, path: str, view=None, cast_back: bool = False) -> Any:
   cotangent is measured as the backward pass casts it back to ``view``, what
   that cast flushes counted.
   """
-  paths = _taps.paths
-  if paths is None:
+  if not _taps.active:
     return tree
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   where = [i for i, x in enumerate(leaves) if is_floating(x)]
@@ -125,7 +123,6 @@ def tap(tree: Any, path: str, view=None, cast_back: bool = False) -> Any:
                      f"{len(leaves)} leaves")
   info = (path, tuple(np.dtype(leaves[i].dtype if views[i] is None
                                else views[i]).name for i in where), bool(cast_back))
-  paths.append(info)
 
   def identity(*xs):
     return xs
