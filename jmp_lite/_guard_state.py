@@ -108,20 +108,26 @@ def pop_measures(extra_args: dict) -> dict:
 # upper bin's share averages exactly; the underflow share is the mean of
 # the micro-batches' shares), the headroom is the smallest, and a step is
 # sampled if any micro-batch was (they share the step number).
-_COMBINE = {"underflow": "mean", "upper": "mean", "headroom": "min", "sampled": "any"}
-_START = {"mean": 0.0, "min": float("inf"), "any": False}
+# A `jmp_lite.ModuleLossScale`'s measurements add up (counts, one-hot maxima).
+_COMBINE = {"underflow": "mean", "upper": "mean", "headroom": "min", "sampled": "any",
+            "modules": "sum"}
+_START = {"mean": 0.0, "min": float("inf"), "any": False, "sum": 0.0}
 
 
-def measures_start(names) -> Optional[dict]:
-  """The empty combination of the measures ``names`` (None if there are none)."""
+def measures_start(names, loss_scale=None) -> Optional[dict]:
+  """The empty combination of the measures ``names`` (None if there are
+  none); a summed measure has ``loss_scale.measure_shape()``."""
   if not names:
     return None
   unknown = [n for n in names if n not in _COMBINE]
   if unknown:
     raise ValueError(f"with_loss_scale: no rule to combine micro-batches' measures {unknown}")
-  return {n: jnp.asarray(_START[_COMBINE[n]],
-                         jnp.bool_ if _COMBINE[n] == "any" else jnp.float32)
-          for n in names}
+  out = {}
+  for n in names:
+    rule = _COMBINE[n]
+    shape = loss_scale.measure_shape() if rule == "sum" else ()
+    out[n] = jnp.full(shape, _START[rule], jnp.bool_ if rule == "any" else jnp.float32)
+  return out
 
 
 def combine_measures(acc: dict, measured: dict) -> dict:
@@ -131,7 +137,7 @@ def combine_measures(acc: dict, measured: dict) -> dict:
     if name not in out or value is None:
       continue
     rule = _COMBINE[name]
-    if rule == "mean":
+    if rule in ("mean", "sum"):
       out[name] = out[name] + jnp.asarray(value, jnp.float32)
     elif rule == "min":
       out[name] = jnp.minimum(out[name], jnp.asarray(value, jnp.float32))

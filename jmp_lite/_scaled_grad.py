@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jmp_lite import _dtypes
 from jmp_lite import _engine
 from jmp_lite import _instrument
+from jmp_lite import _module_scales
 from jmp_lite import _replicas
 from jmp_lite import _stats
 from jmp_lite import autocasting
@@ -39,7 +40,14 @@ def _scaled_fun(fun, nums, has_aux, policy):
     if policy is not None:
       args = tuple(policy.cast_to_compute(a) if i in nums or i - len(args) in nums
                    else a for i, a in enumerate(args))
-    out = fun(*args, **kwargs)
+    if isinstance(loss_scale, _module_scales.Carried):
+      # Per-module loss scales: the wrapped model's modules convert their
+      # cotangents while it runs; the loss is scaled by the global scale.
+      with _module_scales.applied(loss_scale):
+        out = fun(*args, **kwargs)
+      loss_scale = loss_scale.loss_scale
+    else:
+      out = fun(*args, **kwargs)
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
@@ -67,6 +75,34 @@ def fp8_sites(fun, args, kwargs, *, argnums, has_aux, policy, selection):
   scaled = _scaled_fun(fun, nums, has_aux, policy)
   return _instrument.fp8_sites(scaled, (ls_lib.NoOpLossScale(), *args), kwargs,
                                selection)
+
+
+def module_scaled_value_and_grad(fun, argnums, has_aux, policy, allow_int=False):
+  """``f(loss_scale, *args)`` returning ``(value, grads, measured)`` for a
+  `jmp_lite.ModuleLossScale`: the gradients of ``loss_scale.scale(loss)``
+  with each scaled module's backward pass at its own scale, and what the
+  modules measured (``[len(paths), 2, WIDTH]``, `jmp_lite._module_scales`),
+  in the same pass: the gradient with respect to the carriers."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  scaled = _scaled_fun(fun, nums, has_aux, policy)
+  shifted = tuple(i + 2 if i >= 0 else i for i in nums)
+
+  def with_carriers(carriers, loss_scale, *args, **kwargs):
+    return scaled(_module_scales.Carried(loss_scale, carriers), *args, **kwargs)
+
+  vg = jax.value_and_grad(with_carriers, argnums=(0, *shifted), has_aux=True,
+                          allow_int=allow_int)
+  if policy is not None and policy.autocast_dtype is not None:
+    vg = autocasting.autocast(vg, policy)
+
+  def run(loss_scale, *args, **kwargs):
+    carriers = jnp.zeros(loss_scale.measure_shape(), jnp.float32)
+    (_, (loss, aux)), grads = vg(carriers, loss_scale, *args, **kwargs)
+    measured, grads = grads[0], grads[1:]
+    return (((loss, aux) if has_aux else loss),
+            grads[0] if isinstance(argnums, int) else grads, measured)
+
+  return run
 
 
 def scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,

@@ -85,6 +85,7 @@ from flax import nnx
 from flax.core.scope import Scope
 
 from jmp_lite import _engine
+from jmp_lite import _module_scales
 from jmp_lite import _probes
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import default_rules
@@ -128,6 +129,9 @@ class _PolicyScope(Scope):
     # In a telemetry trace: the parameter (seen in the compute dtype) and
     # its cotangent, the weight gradient.
     path = f"{self.jmp_path}/{name}" if self.jmp_path else name
+    # Under a per-module loss scale, its weight gradient leaves the module's
+    # scale for the global one here, in the parameter dtype.
+    value = _module_scales.param(value)
     return policy.cast_to_compute(_probes.tap(value, path, view=policy.compute_dtype))
 
 
@@ -180,6 +184,18 @@ class _LinenInterceptor:
     if self.record is not None:
       self.record.setdefault(path, policy)
     given = args
+    with _module_scales.module(path) as convert:
+      if convert is not None:  # a per-module loss scale's region (in the
+        # caller's dtypes, outside the casts)
+        args, kwargs = convert[0]((args, kwargs))
+      out = self._run_module(next_fun, args, kwargs, context, module, path,
+                             policy, caller)
+      if convert is not None:
+        out = convert[1](out)
+    return keep_carry(given, out)
+
+  def _run_module(self, next_fun, args, kwargs, context, module, path, policy,
+                  caller):
     args, kwargs = policy.cast_to_compute((args, kwargs))
     method = getattr(type(module), context.method_name, None)
     self.stack.append(policy)
@@ -202,8 +218,7 @@ class _LinenInterceptor:
     # model's own output is marked after its cast to the output dtype, so that
     # the backward pass's cast of the loss's cotangent back to the compute
     # dtype, where it can underflow entirely, is measured (`_probes.tap`).
-    out = tap_and_cast(out, path, caller, policy)
-    return keep_carry(given, out)
+    return tap_and_cast(out, path, caller, policy)
 
 
   def dtypes(self, module, policy: Policy) -> dict:

@@ -311,7 +311,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
         fp8=fp8,
         stalled=jnp.zeros((), jnp.int32),
         acc_measures=None if k == 1 else _guard_state.measures_start(
-            getattr(type(loss_scale), "MEASURES", ())),
+            getattr(type(loss_scale), "MEASURES", ()), loss_scale),
     )
 
   def step(grads, state, params, extra_args, scale, earlier_ok, measured=None):
@@ -421,7 +421,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
       return updates, new_state._replace(
           mini_step=jnp.zeros((), jnp.int32), acc_grads=fresh, acc_finite=jnp.array(True),
           acc_measures=None if acc_measures is None else _guard_state.measures_start(
-              tuple(acc_measures)))
+              tuple(acc_measures), state.loss_scale))
 
     def wait():
       return _no_op_updates(emit), state._replace(

@@ -349,7 +349,22 @@ class TrainState(flax.struct.PyTreeNode):
     vg = _scaled_grad.scaled_value_and_grad(loss_fn, 0, has_aux, self.policy, telemetry,
                                 self.axis_name, _selection(fp8), allow_int=True)
     measured = {}
-    if telemetry is None and fp8 is None:
+    if getattr(type(self.loss_scale), "MEASURES", ()) == ("modules",):
+      # A loss scale per module: its own pass, which measures the modules.
+      if telemetry is not None or fp8 is not None:
+        raise ValueError(
+            "TrainState.minimize: a ModuleLossScale cannot be combined with "
+            "telemetry or fp8 in the same step yet; use a DynamicLossScale, "
+            "UnderflowAwareLossScale or AutomaticLossScale with them.")
+      value, grads, modules = _scaled_grad.module_scaled_value_and_grad(
+          loss_fn, 0, has_aux, self.policy, allow_int=True)(
+              self.loss_scale, params, *args, **kwargs)
+      if self.axis_name is not None:
+        # Every column adds up across replicas (counts, one-hot maxima).
+        modules = jax.lax.psum(modules, self.axis_name)
+      measured[_guard_state.MEASURE_PREFIX + "modules"] = modules
+      stats = None
+    elif telemetry is None and fp8 is None:
       value, grads = vg(self.loss_scale, params, *args, **kwargs)
       stats = None
     else:
@@ -362,7 +377,7 @@ class TrainState(flax.struct.PyTreeNode):
     loss, aux = value if has_aux else (value, None)
     used_scale = self.loss_scale.loss_scale
     reads = getattr(type(self.loss_scale), "MEASURES", ())
-    if stats is not None and reads:
+    if stats is not None and reads and "modules" not in reads:
       # What this step measured of its half-precision cotangents (zero
       # underflow on steps telemetry does not sample), for the loss scale.
       offered = dict(
