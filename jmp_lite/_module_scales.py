@@ -60,7 +60,7 @@ class Carried(NamedTuple):
   """A loss scale with the carriers its step differentiates: what
   `jmp_lite._scaled_grad` passes to the scaled loss function."""
   loss_scale: Any  # a jmp_lite.ModuleLossScale
-  carriers: jax.Array  # float32 [len(paths), 2, WIDTH], zeros
+  carriers: tuple  # per path, float32 [2, WIDTH] zeros
 
 
 class _Region(NamedTuple):
@@ -144,11 +144,9 @@ def _inputs(tree, region: _Region, outer: Optional[_Region]):
     seen = _active.outputs.get(id(x))
     if seen is not None and seen[0] is x:
       _, raw, producer = seen
-      return _convert(raw, producer.scale / region.scale, _active.carriers,
-                      _routes(before=(region.index, INSIDE), into=producer),
-                      _dtypes(region, producer))
-    return _convert(x, _scale(outer) / region.scale, _active.carriers,
-                    _routes(before=(region.index, INSIDE), into=outer),
+      return _convert(raw, producer.scale / region.scale,
+                      *_routes(region, producer), _dtypes(region, producer))
+    return _convert(x, _scale(outer) / region.scale, *_routes(region, outer),
                     _dtypes(region, outer))
   return jax.tree_util.tree_map(one, tree)
 
@@ -159,8 +157,8 @@ def _outputs(tree, region: _Region, outer: Optional[_Region]):
   def one(x):
     if not _differentiable(x):
       return x
-    out = _convert(x, region.scale / _scale(outer), _active.carriers,
-                   (((region.index, ENTER), "before"), ((region.index, INSIDE), "after")),
+    out = _convert(x, region.scale / _scale(outer), (_active.carriers[region.index],),
+                   (((0, ENTER), "before"), ((0, INSIDE), "after")),
                    _dtypes(outer, region))
     _active.outputs[id(out)] = (out, x, region)
     return out
@@ -177,21 +175,24 @@ def param(value: Any) -> Any:
   def one(x):
     if not _differentiable(x):
       return x
-    return _convert(x, _active.loss_scale / region.scale, _active.carriers,
-                    (((region.index, INSIDE), "before"),), _dtypes(region, None))
+    return _convert(x, _active.loss_scale / region.scale,
+                    (_active.carriers[region.index],), (((0, INSIDE), "before"),),
+                    _dtypes(region, None))
   return jax.tree_util.tree_map(one, value)
 
 
-def _routes(before, into: Optional[_Region]):
-  """Where a conversion out of a module reports: what left it, to the
-  module (``before``); what arrived at ``into`` (a scaled region), to it,
-  with a non-finite value that arrived so counted as *entering* it (the
-  module it came from overflowed, not ``into``) and one the conversion
-  made counted inside it."""
-  routes = [(before, "before")]
+def _routes(region: _Region, into: Optional[_Region]):
+  """``(carriers, routes)`` of a conversion out of ``region``: what left it
+  is measured inside it; what arrives at ``into`` (a scaled region), inside
+  that one, with a non-finite value that arrived so counted as *entering*
+  it (the module it came from overflowed, not ``into``) and one the
+  conversion made counted inside it."""
+  carriers = [_active.carriers[region.index]]
+  routes = [((0, INSIDE), "before")]
   if into is not None:
-    routes += [((into.index, INSIDE), "after"), ((into.index, ENTER), "arrived")]
-  return tuple(routes)
+    carriers.append(_active.carriers[into.index])
+    routes += [((1, INSIDE), "after"), ((1, ENTER), "arrived")]
+  return tuple(carriers), tuple(routes)
 
 
 def _dtypes(src: Optional[_Region], dst: Optional[_Region]) -> tuple[str, str]:
@@ -209,7 +210,9 @@ def _differentiable(x) -> bool:
 def _convert(x, factor, carriers, routes, dtypes):
   """``x``; backward: its cotangent times ``factor``, with measurements.
 
-  ``routes``: ``((index, row), what)`` pairs, ``what`` one of ``"before"``
+  ``carriers``: the carriers of the one or two modules it reports to (each
+  ``[2, WIDTH]``: a conversion's cotangent touches no other module's).
+  ``routes``: ``((carrier, row), what)`` pairs, ``what`` one of ``"before"``
   (the cotangent as it came), ``"after"`` (as converted, its non-finite
   count only what the conversion made non-finite) and ``"arrived"`` (only
   the non-finite count of the cotangent as it came). ``dtypes``: the
@@ -221,11 +224,12 @@ def _convert(x, factor, carriers, routes, dtypes):
 
 def _convert_fwd(x, factor, carriers, routes, dtypes):
   del routes, dtypes
-  return x, (factor, jnp.zeros_like(carriers))
+  return x, (factor, tuple(jnp.zeros_like(c) for c in carriers))
 
 
 def _convert_bwd(routes, dtypes, res, g):
-  factor, stats = res
+  factor, zeros = res
+  stats = list(zeros)
   # In float32, then back to the cotangent's dtype: one rounding, which
   # only a value leaving that dtype's range can see.
   wide = _exact.widen(g).astype(jnp.float32)
@@ -241,8 +245,8 @@ def _convert_bwd(routes, dtypes, res, g):
       values = values.at[NONFINITE].set(made.astype(jnp.float32))
     else:  # "arrived"
       values = jnp.zeros((WIDTH,), jnp.float32).at[NONFINITE].set(before[NONFINITE])
-    stats = stats.at[index, row].add(values)
-  return out, jnp.zeros_like(factor), stats
+    stats[index] = stats[index].at[row].add(values)
+  return out, jnp.zeros_like(factor), tuple(stats)
 
 
 _convert.defvjp(_convert_fwd, _convert_bwd)

@@ -96,9 +96,12 @@ def module_scaled_value_and_grad(fun, argnums, has_aux, policy, allow_int=False)
     vg = autocasting.autocast(vg, policy)
 
   def run(loss_scale, *args, **kwargs):
-    carriers = jnp.zeros(loss_scale.measure_shape(), jnp.float32)
+    n, *row = loss_scale.measure_shape()
+    carriers = tuple(jnp.zeros(row, jnp.float32) for _ in range(n))
     (_, (loss, aux)), grads = vg(carriers, loss_scale, *args, **kwargs)
-    measured, grads = grads[0], grads[1:]
+    measured = (jnp.stack(grads[0]) if grads[0] else
+                jnp.zeros(loss_scale.measure_shape(), jnp.float32))
+    grads = grads[1:]
     return (((loss, aux) if has_aux else loss),
             grads[0] if isinstance(argnums, int) else grads, measured)
 

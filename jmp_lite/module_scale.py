@@ -145,7 +145,8 @@ class ModuleLossScale(ls_lib.DynamicLossScale):
       >>> class MLP(nn.Module):
       ...   @nn.compact
       ...   def __call__(self, x):
-      ...     return nn.Dense(2)(nn.relu(nn.Dense(8)(x)))
+      ...     h = nn.relu(nn.Dense(8)(x))
+      ...     return nn.Dense(2)(h)
       >>> model = jmp_lite.flax.wrap(MLP(), "p=f32,c=f16,o=f32")
       >>> ls = jmp_lite.ModuleLossScale.create(model, jnp.ones((1, 3)))
       >>> ls.paths, ls.compute_dtypes

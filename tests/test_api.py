@@ -151,6 +151,7 @@ PUBLIC_MODULES = {
     "hardware": {"Hardware", "describe", "measure_matmuls", "CPU_FLAGS"},
     "loss_scale": {"LossScale", "NoOpLossScale", "StaticLossScale",
                    "DynamicLossScale", "all_finite", "select_tree", "AxisName"},
+    "module_scale": {"ModuleLossScale"},
     "oplists": {"DEFAULT_WHITE_LIST", "DEFAULT_BLACK_LIST",
                 "MIN_REDUCTION_SIZE", "primitive_name"},
     "optax": {"with_loss_scale", "apply_updates", "get_loss_scale",
