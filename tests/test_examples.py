@@ -139,8 +139,18 @@ def test_localize_overflow_names_the_injected_module(tmp_path, module, step):
   assert "bf16: " in stdout and "Estimated training time here" in stdout
 
 
+def test_per_module_loss_scales_underflow_less_and_skip_no_more(tmp_path):
+  summary, stdout = _run("per_module_loss_scales.py", tmp_path, "--steps", "60",
+                         "--measure-every", "20", "--variants", "dynamic,per_module")
+  rows = {r["loss scale"]: r for r in summary["rows"]}
+  assert rows["per_module"]["underflow share"] < rows["dynamic"]["underflow share"] / 4
+  assert rows["per_module"]["skipped"] <= rows["dynamic"]["skipped"]
+  assert "bf16: " in stdout and "Estimated training time here" in stdout
+
+
 SCRIPTS = ["train_digits.py", "train_char_lm.py", "autocast_plain_jax.py",
-           "train_seq2seq.py", "train_char_lm_multihost.py", "localize_overflow.py"]
+           "train_seq2seq.py", "train_char_lm_multihost.py", "localize_overflow.py",
+           "per_module_loss_scales.py"]
 
 
 def _without_jax(tmp_path):
