@@ -36,6 +36,7 @@ from jmp_lite import _accumulate
 from jmp_lite import _dtypes
 from jmp_lite import _internals
 from jmp_lite import _islands
+from jmp_lite import _module_scales
 from jmp_lite import _probes
 from jmp_lite import _sink
 
@@ -294,8 +295,9 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
     dynamic = [leaves[i] for i in traced]
     # In a probe trace the marks `fun` makes must be made again (a cached
     # trace holds the marks of the trace it was made in): a model without
-    # parameters, called on concrete inputs inside a telemetry step.
-    if (not cache or _probes.tapping_active()
+    # parameters, called on concrete inputs inside a telemetry step. So must
+    # a per-module loss scale's conversions, which read the step's scales.
+    if (not cache or _probes.tapping_active() or _module_scales.is_active()
         or any(isinstance(x, jax.core.Tracer) for x in dynamic)):
       return run(dynamic, leaves, traced, treedef)
     static = tuple(None if i in traced else _freeze(x)

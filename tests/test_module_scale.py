@@ -202,6 +202,7 @@ def test_an_overflow_inside_a_module_backs_off_that_module_alone(standard_promot
   assert not bool(info.skipped)
 
 
+@pytest.mark.slow  # the default tier's time: see README, Results
 def test_what_a_module_measures_adds_up_over_its_calls():
   x, y = _data(n=8)
   model = ChainAndResidual()
@@ -235,6 +236,7 @@ def test_statistics_against_numpy():
   assert float(ms.top_binade(jnp.asarray(row))) == np.floor(np.log2(a.max()))
 
 
+@pytest.mark.slow  # the default tier's time: see README, Results
 def test_a_training_step_compiles_once_and_accumulates(standard_promotion):
   x, y = _data()
   model = DeepSigmoid(depth=1)
@@ -280,3 +282,35 @@ def test_bad_input_is_refused_clearly(standard_promotion):
                                      tx=optax.sgd(0.1), loss_scale=ls)
   with pytest.raises(ValueError, match="cannot be combined with telemetry"):
     state.minimize(_loss(wrapped.apply, x, y), telemetry=jmp_lite.Telemetry())
+
+
+class _Sine(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.sin(x) * 2
+
+
+class _Features(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return _Sine()(x)
+
+
+def test_a_model_called_on_concrete_inputs_inside_the_step(standard_promotion):
+  """A parameter-free wrapped model on concrete inputs is compiled once and
+  cached when called eagerly; inside a per-module step it is traced again,
+  so that its conversions read this step's scales (no leaked tracer)."""
+  features = jmp_lite.flax.wrap(_Features(), F16)
+  x = np.ones((4, 3), np.float32)
+  ls = jmp_lite.ModuleLossScale.create(features, x)
+  assert ls.paths == ("_Sine_0",)
+  state = jmp_lite.TrainState.create(apply_fn=features.apply,
+                                     params={"w": jnp.ones((3,))},
+                                     tx=optax.sgd(0.1), loss_scale=ls)
+  loss = lambda p: jnp.sum(p["w"] * features.apply({}, x))
+  # Two traces of the step: the second must not reuse the first's.
+  for step in (jax.jit(lambda s: s.minimize(loss)), jax.jit(lambda s: s.minimize(loss))):
+    state, info = step(state)
+    assert not bool(info.skipped)
+  want = 1.0 - 2 * 0.1 * 4 * 2 * np.sin(1.0)  # two steps, four rows
+  np.testing.assert_allclose(np.asarray(state.params["w"]), want, rtol=1e-3)
