@@ -59,11 +59,21 @@ class ModuleLossScale(ls_lib.DynamicLossScale):
   passes the measurements). The step is skipped, atomically, whenever any
   gradient is non-finite, as with any loss scale.
 
-  Which modules: by default every module that computes in a dtype with
-  float16's range or narrower (not bfloat16, whose range is float32's) and
-  owns parameters of its own. Cotangents that cross module boundaries stay
-  at the scale of the code around them, so a module's scale rescues what it
-  computes (its weight gradients), not the values passed between modules.
+  Which modules: by default every module the model calls (not the model
+  itself) that computes in a dtype with float16's range or narrower (not
+  bfloat16, whose range is float32's); nested modules each get their own.
+  A module's output that another scaled module reads directly passes its
+  cotangent from one scale to the other (a chain of blocks); a value that
+  passes through the code around the modules (an activation the caller
+  applies, a residual sum) is held at that code's scale, the enclosing
+  module's or the global one. So scaling rescues what modules compute
+  (weight gradients, and cotangents inside and between chained modules),
+  not what the model's own code between modules holds.
+
+  Not supported yet: Flax NNX models (`create` refuses them), and telemetry
+  or fp8 in the same step (`TrainState.minimize` refuses). Parameters held
+  in float16 leave their module at the global scale in float16, where the
+  global scale's range applies again.
 
   Args:
     paths: the scaled modules' paths (static), as `jmp_lite.flax.policy_map`
