@@ -86,6 +86,12 @@ def adjust(loss_scale, finite, measured):
   given = {n: measured[n] for n in names if measured.get(n) is not None}
   if getattr(type(loss_scale), "MEASURES_REQUIRED", False) and len(given) < len(names):
     missing = [f"{MEASURE_PREFIX}{n}=" for n in names if n not in given]
+    if names == ("modules",):
+      raise ValueError(
+          f"{type(loss_scale).__name__} steers by what the step's modules measured, "
+          f"and this step gave it no {MEASURE_PREFIX}modules=: use "
+          "TrainState.minimize, or pass with_loss_scale's update the modules "
+          "that jmp_lite.value_and_grad(...) returns with this loss scale.")
     raise ValueError(
         f"{type(loss_scale).__name__} steers by what telemetry measures, and this "
         f"step gave it no {', '.join(missing)}: use TrainState.minimize(..., "

@@ -56,8 +56,9 @@ class ModuleLossScale(ls_lib.DynamicLossScale):
 
   Make it with `create` (which finds the modules) and use it as the loss
   scale of `jmp_lite.TrainState` (`TrainState.minimize` runs the step and
-  passes the measurements). The step is skipped, atomically, whenever any
-  gradient is non-finite, as with any loss scale.
+  passes the measurements), or of `jmp_lite.value_and_grad` (which returns
+  the measurements for `adjust`). The step is skipped, atomically, whenever
+  any gradient is non-finite, as with any loss scale.
 
   Which modules: by default every module the model calls (not the model
   itself) that computes in a dtype with float16's range or narrower (not

@@ -101,6 +101,12 @@ def value_and_grad(
   changing the loss scale by a factor, call its ``rescale_gradients(factor)``
   (`jmp_lite.TrainState` does both).
 
+  With a `jmp_lite.ModuleLossScale` as ``loss_scale`` (a wrapped Linen model
+  inside ``fun``), each scaled module's backward pass runs at its own scale
+  and the function returns ``(value, grads, grads_finite, modules)``: pass
+  ``modules``, what the modules measured (summed over ``axis_name``), to
+  ``loss_scale.adjust(grads_finite, modules)``.
+
   Raises:
     TypeError: (when called) if ``fun`` does not return a floating scalar.
     ValueError: (when called) inside ``shard_map(check_vma=False)`` or
@@ -132,7 +138,18 @@ def value_and_grad(
           "value_and_grad: loss_scale must be a jmp_lite loss scale, e.g. "
           f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
     step = kwargs.pop("telemetry_step", None) if telemetry is not None else None
-    if fp8 is not None:
+    modules = None
+    if getattr(type(loss_scale), "MEASURES", ()) == ("modules",):
+      # A loss scale per module: its own pass, which measures the modules.
+      if telemetry is not None or fp8 is not None:
+        raise ValueError(
+            "value_and_grad: a ModuleLossScale cannot be combined with telemetry "
+            "or fp8 in the same step yet.")
+      value, grads, modules = _scaled_grad.module_scaled_value_and_grad(
+          fun, argnums, has_aux, policy)(loss_scale, *args, **kwargs)
+      if axis_name is not None:
+        modules = jax.lax.psum(modules, axis_name)
+    elif fp8 is not None:
       vg = _scaled_grad.scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry, axis_name,
                                   _selection(fp8))
       value, grads, stats, amax = vg(step, fp8, loss_scale, *args, **kwargs)
@@ -148,6 +165,8 @@ def value_and_grad(
     # would stop it from making the replicas diverge.
     _replicas.check_decision(finite, axis_name, "value_and_grad", tracked=False)
     out = (value, grads, finite)
+    if modules is not None:
+      out += (modules,)
     if telemetry is not None:
       out += (stats,)
     if fp8 is not None:

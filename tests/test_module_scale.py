@@ -314,3 +314,27 @@ def test_a_model_called_on_concrete_inputs_inside_the_step(standard_promotion):
     assert not bool(info.skipped)
   want = 1.0 - 2 * 0.1 * 4 * 2 * np.sin(1.0)  # two steps, four rows
   np.testing.assert_allclose(np.asarray(state.params["w"]), want, rtol=1e-3)
+
+
+def test_value_and_grad_returns_what_the_modules_measured():
+  """MindSpore's flow: the same gradients and measurements as the step
+  `TrainState.minimize` runs, and an adjust that reads them."""
+  x, y = _data()
+  model = DeepSigmoid(depth=1)
+  wrapped = jmp_lite.flax.wrap(model, F16)
+  params = model.init(jax.random.PRNGKey(2), x)
+  ls = jmp_lite.ModuleLossScale.create(wrapped, x)
+  loss = _loss(wrapped.apply, x, y)
+  value, grads, finite, modules = jax.jit(
+      lambda p, s: jmp_lite.value_and_grad(loss)(p, loss_scale=s))(params, ls)
+  want, measured = _module_grads(wrapped, x, y)(ls, params)
+  assert bool(finite) and modules.shape == ls.measure_shape()
+  np.testing.assert_array_equal(np.asarray(modules), np.asarray(measured))
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(ls.adjust(finite, modules).module_scales),
+                            np.asarray(ls.module_scales))
+  # The guard alone has no measurements: it says where to get them.
+  tx = jmp_lite.optax.with_loss_scale(optax.sgd(0.1), ls)
+  with pytest.raises(ValueError, match="loss_scale_modules="):
+    tx.update(grads, tx.init(params), params)
