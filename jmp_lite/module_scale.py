@@ -174,6 +174,13 @@ class ModuleLossScale(ls_lib.DynamicLossScale):
     if paths is None:
       chosen = [p for p, pol in policies.items()
                 if p and _narrow_range(pol.compute_dtype)]
+      if not chosen:
+        raise ValueError(
+            "ModuleLossScale.create: no module of this model computes in float16 "
+            "or narrower (compute dtypes: "
+            f"{sorted({np.dtype(p.compute_dtype).name for p in policies.values()})}); "
+            "bfloat16 has float32's range and needs no loss scale per module. "
+            "Pass paths=[...] to scale chosen modules anyway.")
     else:
       if isinstance(paths, str):
         raise TypeError(f"paths must be a sequence of module paths, got {paths!r}")

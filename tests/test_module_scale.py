@@ -267,6 +267,9 @@ def test_bad_input_is_refused_clearly(standard_promotion):
   with pytest.raises(TypeError, match="NNX"):
     jmp_lite.ModuleLossScale.create(
         jmp_lite.flax.wrap(nnx.Linear(8, 4, rngs=nnx.Rngs(0)), F16), x)
+  with pytest.raises(ValueError, match="no module of this model computes in float16"):
+    jmp_lite.ModuleLossScale.create(
+        jmp_lite.flax.wrap(DeepSigmoid(depth=1), "p=f32,c=bf16,o=f32"), x)
   with pytest.raises(ValueError, match=r"\['nope'\] are not modules"):
     jmp_lite.ModuleLossScale.create(wrapped, x, paths=["nope"])
   ls = jmp_lite.ModuleLossScale.create(wrapped, x)
