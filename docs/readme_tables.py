@@ -260,6 +260,34 @@ def gpu(fp8_run: dict, steps_run: dict, guard_run: dict) -> str:
   return "\n".join(lines)
 
 
+_MODULE_SCALE_ROWS = {
+    "float32": "float32 (reference)", "dynamic": "`DynamicLossScale`",
+    "underflow_aware": "`UnderflowAwareLossScale`", "automatic": "`AutomaticLossScale`",
+    "per_module": "`ModuleLossScale`",
+}
+
+
+def per_module(run: dict) -> str:
+  """The loss scales on a model whose modules' gradients lie far apart."""
+  lines = [
+      _header(f"`python examples/per_module_loss_scales.py` ({run['model']}, "
+              f"{run['steps']} steps, batch {run['batch_size']}, `{run['policy']}`)", run),
+      "",
+      "| loss scale | skipped steps | weight gradients below float16's normal range "
+      "(mean of the samples) | final train loss | test accuracy | parity accuracy | "
+      "seconds (with the oracle gradients) |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for r in run["rows"]:
+    share = ("–" if r["loss scale"] == "float32"
+             else f"{100 * r['underflow share']:.2f}%")
+    lines.append(
+        f"| {_MODULE_SCALE_ROWS[r['loss scale']]} | {r['skipped']} | {share} | "
+        f"{r['final train loss']:.1f} | {r['test accuracy']:.4f} | "
+        f"{r['parity accuracy']:.4f} | {r['seconds']:.1f} |")
+  return "\n".join(lines)
+
+
 # Each generated block: the results files it reads, and how it renders them.
 TABLES = {
     "digits": (("digits_all_policies.json",), digits),
@@ -268,6 +296,7 @@ TABLES = {
     "calibration": (("digits_f16_calibrated.json", "digits_f16_from_2_15.json"),
                     calibration),
     "underflow": (("digits_f16_loss_scales.json",), underflow),
+    "per_module": (("per_module_loss_scales.json",), per_module),
     "gpu": (tuple(f"../../bench/results/gpu/NVIDIA-H200/{n}.json"
                   for n in ("fp8", "steps", "guard")), gpu),
     "bench": (tuple(f"../../bench/results/{n}.json" for n in bench_table.FILES),
