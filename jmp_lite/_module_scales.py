@@ -12,7 +12,10 @@ with a custom VJP, placed by `jmp_lite.flax.wrap`'s interceptor while
   module's scale, or ``S``);
 * on its inputs, by ``A_outer / A_m``: what flows back out of the module is
   at its caller's scale again, so that cotangents summed outside (a
-  residual connection, a value two modules read) have one scale;
+  residual connection, a value two modules read) have one scale. An input
+  that is another scaled module's output, read directly, goes back to that
+  module's scale instead (``A_producer / A_m``), beside the output's own
+  conversion: a chain of blocks passes cotangents from scale to scale;
 * on each parameter it reads (in the parameter dtype, before the cast to
   the compute dtype), by ``S / A_m``: every weight gradient leaves at the
   global scale, in float32 for float32 parameters, and the guard unscales
@@ -25,8 +28,11 @@ caller's scale is what crosses module boundaries.
 
 The conversions also measure (the carrier trick of `jmp_lite._probes`: a
 float32 input whose cotangent the backward pass fills): per module, one row
-for what enters it (the output cotangent before conversion) and one for what
-it computes (its inputs' and parameters' cotangents before conversion), each
+for what enters it from outside (its outputs' cotangents before conversion,
+and the non-finite count of what a chained module sends back) and one for
+what it holds (cotangents converted into it, its inputs' and parameters'
+cotangents before conversion out; a non-finite value counted there only
+where the module or a conversion into it made it), each
 ``[one-hot binade of the largest finite |x| (BINS), #non-finite, #non-zero
 finite, #below the compute dtype's smallest normal, #elements]``. Every
 column adds up over several contributions (a module called twice, a scan
