@@ -98,6 +98,11 @@ def module_scaled_value_and_grad(fun, argnums, has_aux, policy, allow_int=False)
   def run(loss_scale, *args, **kwargs):
     n, *row = loss_scale.measure_shape()
     carriers = tuple(jnp.zeros(row, jnp.float32) for _ in range(n))
+    axes = _replicas.manual_axes()
+    if axes and _replicas.tracks_varying(axes):
+      # Under shard_map: per-device measurements, which the caller sums over
+      # its axis (as telemetry's carrier, `jmp_lite._instrument`).
+      carriers = tuple(jax.lax.pcast(c, axes, to="varying") for c in carriers)
     (_, (loss, aux)), grads = vg(carriers, loss_scale, *args, **kwargs)
     measured = (jnp.stack(grads[0]) if grads[0] else
                 jnp.zeros(loss_scale.measure_shape(), jnp.float32))

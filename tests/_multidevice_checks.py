@@ -912,3 +912,67 @@ def test_fp8_maxima_under_jit_with_a_sharded_batch_are_global():
     sharded = _newest(step(_fp8_state(x, y), xd, yd))
   for k in single:
     np.testing.assert_array_equal(sharded[k], single[k])
+
+
+# ------------------------------------------------------- per-module loss scales
+
+
+def test_module_loss_scale_under_shard_map_sums_what_the_devices_measured():
+  # Oracle: the same step on one device. The counts of what each module
+  # measured add up over the devices to the one device's; the new parameters
+  # are the one device's (each device's loss is the mean over its rows, and
+  # the gradients are averaged).
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jmp_lite.flax  # pylint: disable=g-import-not-at-top
+  from jmp_lite import _module_scales as ms  # pylint: disable=g-import-not-at-top
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(D_OUT)(jnp.tanh(nn.Dense(D_HIDDEN)(x)))
+
+  xs, ys = _batches()
+  x, y = xs[0], ys[0]
+  wrapped = jmp_lite.flax.wrap(Model(), POLICY)
+  params = Model().init(jax.random.PRNGKey(0), x)
+  ls = jmp_lite.ModuleLossScale.create(wrapped, x, loss_scale=2.0 ** 4)
+
+  def loss(p, x, y):
+    return jnp.mean((wrapped.apply(p, x).astype(jnp.float32) - y) ** 2)
+
+  def measure(p, x, y):
+    return jmp_lite.value_and_grad(loss)(p, x, y, loss_scale=ls)[3]
+
+  single = jax.jit(measure)(params, x, y)
+  mesh = _mesh((N_DEVICES,), ("data",))
+  replicated = jax.tree.map(lambda _: P(), params)
+  sharded = jax.jit(jax.shard_map(
+      lambda p, x, y: jmp_lite.value_and_grad(loss, axis_name="data")(
+          distributed.mark_varying(p, "data"), x, y, loss_scale=ls)[3],
+      mesh=mesh, in_specs=(replicated, P("data"), P("data")), out_specs=P()))(
+          params, x, y)
+  sharded, single = np.asarray(sharded), np.asarray(single)
+  for column in (ms.ELEMENTS, ms.NONZERO, ms.NONFINITE):
+    np.testing.assert_array_equal(sharded[:, ms.ENTER, column],
+                                  single[:, ms.ENTER, column])
+  # Inside: the activations' cotangents add up to the one device's; each
+  # device measures its own (not yet averaged) weight gradients in full.
+  sizes = [sum(np.size(v) for v in jax.tree.leaves(params["params"][path]))
+           for path in ls.paths]
+  np.testing.assert_array_equal(
+      sharded[:, ms.INSIDE, ms.ELEMENTS] - single[:, ms.INSIDE, ms.ELEMENTS],
+      (N_DEVICES - 1) * np.asarray(sizes, np.float32))
+  assert np.all(sharded[:, :, ms.NONFINITE] == 0)
+
+  def state():
+    return jmp_lite.TrainState.create(apply_fn=None, params=params,
+                                      tx=optax.sgd(0.05), loss_scale=ls)
+
+  one = jax.jit(lambda s: s.minimize(loss, x, y)[0])(state())
+  sharded_state = state().replace(axis_name="data")
+  spec = jax.tree.map(lambda _: P(), sharded_state)
+  many = jax.jit(jax.shard_map(lambda s, x, y: s.minimize(loss, x, y)[0], mesh=mesh,
+                               in_specs=(spec, P("data"), P("data")),
+                               out_specs=spec))(sharded_state, x, y)
+  for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(many.params)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=1e-6)
