@@ -126,6 +126,8 @@ class ModuleLossScale(ls_lib.DynamicLossScale):
         raise ValueError(f"{name}.{field} must have shape ({n},), got {value.shape}")
     object.__setattr__(self, "ceilings", ceilings)
     object.__setattr__(self, "module_counters", counters)
+    _check_powers_of_two(name, loss_scale=self.loss_scale, factor=self.factor,
+                         min_loss_scale=self.min_loss_scale, module_scales=scales)
     object.__setattr__(self, "paths", paths)
     object.__setattr__(self, "compute_dtypes", dtypes)
     object.__setattr__(self, "margin", margin)
@@ -260,6 +262,21 @@ class ModuleLossScale(ls_lib.DynamicLossScale):
   def measure_shape(self) -> tuple[int, ...]:
     """The shape of the ``modules`` measurement `adjust` takes."""
     return (len(self.paths), 2, ms.WIDTH)
+
+
+def _check_powers_of_two(name: str, **values) -> None:
+  """Refuses values known on the host that are not powers of two: the
+  conversions multiply cotangents by quotients of the scales, which are
+  exact only between powers of two (a factor of 3 would round every
+  cotangent of every scaled module)."""
+  for field, value in values.items():
+    try:
+      host = np.asarray(value, np.float64)
+    except (TypeError, jax.errors.TracerArrayConversionError):
+      continue  # traced: made by adjust from powers of two
+    mantissa, _ = np.frexp(host)
+    if np.any(mantissa != 0.5):
+      raise ValueError(f"{name}.{field} must hold powers of two, got {value!r}")
 
 
 def _narrow_range(dtype) -> bool:

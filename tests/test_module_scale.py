@@ -297,6 +297,12 @@ def test_bad_input_is_refused_clearly(standard_promotion):
     ls.adjust(jnp.bool_(True), jnp.zeros((1, 2, ms.WIDTH)))
   with pytest.raises(ValueError, match="margin must be finite and >= 1"):
     jmp_lite.ModuleLossScale(1.0, margin=0.5)
+  for field, value in (("factor", 3.0), ("loss_scale", 1000.0)):
+    with pytest.raises(ValueError, match=f"{field} must hold powers of two"):
+      jmp_lite.ModuleLossScale.create(wrapped, x, **{field: value})
+  with pytest.raises(ValueError, match="module_scales must hold powers of two"):
+    jmp_lite.ModuleLossScale(1.0, paths=("a",), compute_dtypes=("float16",),
+                             module_scales=jnp.array([3.0]))
   with pytest.raises(ValueError, match="module_scales must have shape"):
     jmp_lite.ModuleLossScale(1.0, paths=("a",), compute_dtypes=("float16",),
                              module_scales=jnp.ones(2))
