@@ -50,11 +50,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
 import jax
-import jax.extend as jex
 import numpy as np
 
 from jmp_lite import _accumulate
 from jmp_lite import _internals
+from jmp_lite import _traverse
 
 from jmp_lite._audit_report import CONVERT_ROUND_TRIP
 from jmp_lite._audit_report import F32_MATMUL
@@ -70,8 +70,6 @@ from jmp_lite.policy import Policy, get_policy
 __all__ = ("audit", "AuditReport", "AuditRow", "FLAGS", "HALF_MATMUL",
            "HALF_REDUCTION", "HALF_EXP_LOG", "F32_MATMUL", "HALF_ALL_REDUCE",
            "CONVERT_ROUND_TRIP", "MIN_REDUCTION_SIZE")
-
-_core = jex.core
 
 MIN_REDUCTION_SIZE = 16
 
@@ -94,11 +92,6 @@ _COLLECTIVE = _ALL_REDUCE | frozenset({
     "pmax", "pmin", "all_gather", "all_gather_invariant",
     "all_gather_reduced", "all_to_all", "ragged_all_to_all", "ppermute",
     "pbroadcast", "all_gather_start", "all_to_all_start", "ppermute_start"})
-_LOOPS = frozenset({"scan", "while"})
-_TRANSPARENT = frozenset({"jit", "pjit", "closed_call", "core_call"})
-_LABELS = {"scan": "scan", "remat2": "checkpoint",
-           "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp",
-           "shard_map": "shard_map"}
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 DTypeLike = Any
@@ -165,24 +158,10 @@ def _reduced_size(eqn) -> Optional[int]:
 
 
 def _subjaxprs(eqn):
-  """Yields (label, jaxpr, is_loop_body) for each sub-jaxpr of ``eqn``."""
-  name = eqn.primitive.name
-  for key, value in eqn.params.items():
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    for i, item in enumerate(items):
-      if isinstance(item, _core.ClosedJaxpr):
-        item = item.jaxpr
-      if not isinstance(item, _core.Jaxpr):
-        continue
-      if name in _TRANSPARENT:
-        label = None
-      elif name == "while":
-        label = "while." + key.replace("_jaxpr", "")
-      elif name == "cond":
-        label = f"cond.branch{i}"
-      else:
-        label = _LABELS.get(name, f"{name}.{key}")
-      yield label, item, name in _LOOPS
+  """Yields (label, jaxpr, is_loop_body) for each jaxpr ``eqn`` runs
+  (`jmp_lite._traverse`; an unknown primitive's with a warning)."""
+  for region in _traverse.regions_or_warn(eqn, "audit"):
+    yield region.label, region.jaxpr, region.runs in (_traverse.EACH, _traverse.WHILE)
 
 
 class _Auditor:

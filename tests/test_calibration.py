@@ -336,3 +336,129 @@ def test_an_nnx_model_is_measured_per_module_like_its_linen_twin():
       jmp_lite.flax.wrap(twin, F16, rules=cal.flax_rules())).items()}
   assert computes["blow_up"] == computes["blow_up/lin"] == jnp.float32
   assert computes["head"] == computes["embed"] == jnp.float16
+
+
+def _matmul_rows(x, w):
+  return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+def test_the_branch_taken_is_measured_inside_and_the_other_reports_zeros():
+  """Inside ``cond``: the taken branch's values and cotangents are the
+  ones written out by hand in NumPy (``y = x @ w``, loss ``sum(y**2)``:
+  the cotangent of ``y`` is ``2 y``); the branch not taken ran nothing and
+  reports zeros. Before, only the cond's outputs were measured."""
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+
+  def taken(a, w):
+    with jax.named_scope("taken"):
+      return a @ w
+
+  def other(a, w):
+    with jax.named_scope("other"):
+      return a[:, :3] * 7.0
+
+  def loss(w, x, flag):
+    return jnp.sum(jax.lax.cond(flag, taken, other, x, w) ** 2)
+
+  got = jmp_lite.calibrate(loss, w, x, True, policy=F16)
+  y = _matmul_rows(x, w)
+  np.testing.assert_allclose(got.scopes["taken"].max_activation, np.abs(y).max(), rtol=1e-5)
+  np.testing.assert_allclose(got.scopes["taken"].max_cotangent, np.abs(2 * y).max(),
+                             rtol=1e-5)
+  assert got.scopes["other"].max_activation == 0 == got.scopes["other"].max_cotangent
+  # The other way round, the other branch's values (7 x) are measured.
+  flipped = jmp_lite.calibrate(loss, w, x, False, policy=F16)
+  np.testing.assert_allclose(flipped.scopes["other"].max_activation,
+                             7 * np.abs(np.asarray(x)[:, :3]).max(), rtol=1e-6)
+  assert flipped.scopes["taken"].max_activation == 0
+
+
+def test_a_while_loop_is_measured_over_its_iterations_forward_only():
+  """A ``while`` loop over the batch (a frozen teacher's refinement: no
+  gradient flows through a while loop) doubles its value a number of times
+  known only at run time: the scope's largest activation is the last
+  iteration's, ``max|x w| * 2**(n-1)``, computed here in NumPy; no
+  cotangent reaches it."""
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.standard_normal((5, 5)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+
+  def loss(w, x, n):
+    def body(state):
+      i, h = state
+      with jax.named_scope("refine"):
+        h = h * 2.0
+      return i + 1, h
+
+    with jax.named_scope("teacher"):
+      h0 = x @ jax.lax.stop_gradient(w)
+    _, h = jax.lax.while_loop(lambda s: s[0] < n, body, (jnp.int32(1), h0))
+    return jnp.sum((x @ w) ** 2) + jnp.sum(jax.lax.stop_gradient(h))
+
+  n = jnp.int32(5)
+  got = jmp_lite.calibrate(loss, w, x, n, policy=F16)
+  want = np.abs(_matmul_rows(x, w)).max() * 2.0 ** 4
+  np.testing.assert_allclose(got.scopes["refine"].max_activation, want, rtol=1e-5)
+  assert got.scopes["refine"].max_cotangent == 0
+
+
+def test_a_custom_vjp_body_is_measured_and_its_rule_still_differentiates():
+  """Inside a ``custom_vjp`` the forward values are measured (the body's
+  ``3 x w``); the gradients are still the rule's, which here multiplies the
+  cotangent by 100, so the parameter gradient ``jax.grad`` gives (the
+  oracle) is the largest cotangent calibrate reports. Differentiating the
+  body instead would report one 100 times smaller."""
+  rng = np.random.default_rng(2)
+  w = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((4, 5)) / 10, jnp.float32)
+
+  @jax.custom_vjp
+  def amplified(x, w):
+    with jax.named_scope("inside"):
+      return (x @ w) * 3.0
+
+  def fwd(x, w):
+    return amplified(x, w), (x, w)
+
+  def bwd(res, g):
+    x, w = res
+    g = g * 300.0  # the body's own derivative times 100
+    return g @ w.T, x.T @ g
+
+  amplified.defvjp(fwd, bwd)
+
+  def loss(w, x):
+    return jnp.sum(amplified(x, w) ** 2)
+
+  got = jmp_lite.calibrate(loss, w, x, policy=F16)
+  np.testing.assert_allclose(got.scopes["inside"].max_activation,
+                             3 * np.abs(_matmul_rows(x, w)).max(), rtol=1e-5)
+  np.testing.assert_allclose(got.max_cotangent,
+                             float(jnp.max(jnp.abs(jax.grad(loss)(w, x)))), rtol=1e-5)
+
+
+def test_an_unknown_higher_order_primitive_is_warned_about_not_skipped(monkeypatch):
+  """A primitive that runs a jaxpr and that no pass knows (declared
+  higher-order here, as JAX's rules would): the traversal says so
+  (`jmp_lite._traverse.UnknownPrimitiveWarning`, naming the pass) and
+  hands its body over as opaque, instead of skipping it in silence."""
+  from jmp_lite import _traverse
+  monkeypatch.setitem(_traverse._HIGHER_ORDER, "someone_elses_call", True)
+
+  class Fake:
+    name = "someone_elses_call"
+    multiple_results = True
+
+  closed = jax.make_jaxpr(lambda a: a * 2)(jnp.ones(2))
+
+  class Eqn:
+    primitive = Fake()
+    params = {"body": closed}
+
+  with pytest.warns(_traverse.UnknownPrimitiveWarning, match="someone_elses_call"):
+    regions = _traverse.regions_or_warn(Eqn(), "calibrate")
+  assert [r.kind for r in regions] == ["unknown"]
+  with pytest.raises(_traverse.UnknownPrimitiveError, match="someone_elses_call"):
+    _traverse.regions(Eqn())
