@@ -129,14 +129,15 @@ def _assemble(size: int, found, like) -> jax.Array:
 
 
 def _nested(eqn, invals, carrier, nested: Nested, gate):
-  """``eqn`` re-bound with its share of ``carrier``: ``(outputs, forward)``."""
+  """``eqn`` re-bound with its share of ``carrier``: ``(outputs, forward)``.
+  Its bodies are ``nested.regions`` (`jmp_lite._traverse`), one per child plan."""
   p = eqn.params
   kind = nested.kind
   sizes = [c.size for c in nested.children]
-  region = carrier[nested.offset:nested.offset + nested.length * sum(sizes)]
+  share = carrier[nested.offset:nested.offset + nested.length * sum(sizes)]
+  body = nested.regions[0]
   if kind == "scan":
     (child,) = nested.children
-    body = p["jaxpr"]
     nc, nk = _internals.scan_split(p)
     consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
 
@@ -147,34 +148,32 @@ def _nested(eqn, invals, carrier, nested: Nested, gate):
       return outs[:nk], (outs[nk:], measured)
 
     carry, (ys, measured) = jax.lax.scan(
-        step, list(init), (list(xs), region.reshape(nested.length, sizes[0])),
+        step, list(init), (list(xs), share.reshape(nested.length, sizes[0])),
         length=nested.length, reverse=p["reverse"], unroll=p["unroll"])
     return [*carry, *ys], measured.reshape(-1)
-  if kind == "remat2":
+  if kind == "checkpoint":
     (child,) = nested.children
-    body = p["jaxpr"]
-    fun = lambda c, *a: interpret(body, [], list(a), c, child, gate)
+    fun = lambda c, *a: interpret(body.jaxpr, body.consts, list(a), c, child, gate)
     outs, measured = jax.checkpoint(fun, prevent_cse=p["prevent_cse"],
-                                    policy=p["policy"])(region, *invals)
+                                    policy=p["policy"])(share, *invals)
     return list(outs), measured
-  if kind in ("jit", "pjit"):
+  if kind == "call":
     (child,) = nested.children
-    body = p["jaxpr"]
-    return interpret(body.jaxpr, body.consts, list(invals), region, child, gate)
+    return interpret(body.jaxpr, body.consts, list(invals), share, child, gate)
   if kind == "while":
-    return _while(p, invals, region, nested.children[0], gate)
-  # cond: each branch reads its own slice of the region.
+    return _while(p, invals, share, nested.children[0], gate)
+  # cond: each branch reads its own slice of the share.
   starts = np.cumsum([0, *sizes])
-  branches = [functools.partial(_branch, b, c, region, int(s), gate)
-              for b, c, s in zip(p["branches"], nested.children, starts)]
+  branches = [functools.partial(_branch, r, c, share, int(s), gate)
+              for r, c, s in zip(nested.regions, nested.children, starts)]
   outs, measured = jax.lax.switch(invals[0], branches, *invals[1:])
   return list(outs), measured
 
 
-def _branch(closed, plan, region, start, gate, *ops):
-  outs, measured = interpret(closed.jaxpr, closed.consts, list(ops),
-                             region[start:start + plan.size], plan, gate)
-  return outs, _assemble(region.shape[0], [(start, measured)], region)
+def _branch(branch, plan, share, start, gate, *ops):
+  outs, measured = interpret(branch.jaxpr, branch.consts, list(ops),
+                             share[start:start + plan.size], plan, gate)
+  return outs, _assemble(share.shape[0], [(start, measured)], share)
 
 
 def _while(p, invals, region, child: Plan, gate):

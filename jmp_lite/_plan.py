@@ -23,10 +23,15 @@ from jmp_lite import _dtypes
 from jmp_lite import _fp8_sites
 from jmp_lite import _internals
 from jmp_lite import _probes
+from jmp_lite import _traverse
 from jmp_lite import _unseen
 from jmp_lite import policy as policy_lib
 
-_NESTED = ("scan", "remat2", "jit", "pjit", "cond", "while")
+# The bodies telemetry and fp8 enter, by `jmp_lite._traverse` kind. The rest
+# (a while loop's condition, custom rules' bodies, shard_map's, an unknown
+# primitive's) run as written, and `_unseen` warns where that hides fp8
+# matmuls or telemetry marks.
+_ENTERED = frozenset({"call", "checkpoint", "scan", "cond", "while"})
 
 
 @dataclasses.dataclass
@@ -68,9 +73,10 @@ class Point:
 @dataclasses.dataclass
 class Nested:
   offset: int
-  kind: str
+  kind: str  # the `jmp_lite._traverse.Region` kind of its bodies
   children: list["Plan"]
   length: int = 1  # scan iterations
+  regions: list = dataclasses.field(default_factory=list)  # one per child
 
 
 @dataclasses.dataclass
@@ -125,18 +131,26 @@ class Planner:
                       scaling=self.fp8.scaling, live=out_live)
         plan.points.setdefault(i, []).append((None, point))
         plan.size += point.width
-      children = self.children(eqn, where, ins)
-      if children is not None:
+      regions = _traverse.regions_or_warn(eqn, "telemetry and fp8")
+      entered = [r for r in regions if r.kind in _ENTERED]
+      if len(entered) < len(regions):
+        # Run as written: a while loop's condition (a matmul there is
+        # unusual), a custom rule's or shard_map's body.
+        _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
+                     mode=self.mode, shown=_clean(where),
+                     bodies=[r.jaxpr for r in regions if r.kind not in _ENTERED]
+                     if entered else None)
+      if entered:
+        # A loop's carry may come to depend on any operand.
+        children = [self.plan(r.jaxpr, where, r.flow(ins, any(ins))) for r in entered]
         if any(c.size for c in children):
-          length = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-          if eqn.primitive.name == "scan":
+          kind = entered[0].kind
+          length = entered[0].length if kind == "scan" else 1
+          if kind == "scan":
             _mark_shared(eqn, children[0])
-          plan.nested[i] = Nested(plan.size, eqn.primitive.name, children, length)
+          plan.nested[i] = Nested(plan.size, kind, children, length, entered)
           plan.size += length * sum(c.size for c in children)
         continue
-      if _is_higher_order(eqn):
-        _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
-                     mode=self.mode, shown=_clean(where))
       if self.mode == "ops":
         # Every floating result, a body run as written (a custom_jvp's, such
         # as jax.nn.relu's) at its outputs.
@@ -144,29 +158,6 @@ class Planner:
           if _dtypes.is_floating(v.aval) and v.aval.size:
             self.point(plan, (i, j), _clean(where), v.aval, live=out_live)
     return plan
-
-  def children(self, eqn, where, ins) -> Optional[list[Plan]]:
-    """The plans of ``eqn``'s bodies, given which of its operands are live
-    (a loop's carry may come to depend on any operand)."""
-    name = eqn.primitive.name
-    if name not in _NESTED:
-      return None
-    if name == "cond":
-      return [self.plan(b.jaxpr, where, ins[1:]) for b in eqn.params["branches"]]
-    if name == "while":
-      # The loop's condition runs as written (a matmul there is unusual).
-      _unseen.warn(eqn, where, self.fp8.choose if self.fp8 else None, _join,
-                   mode=self.mode, shown=_clean(where),
-                   bodies=[eqn.params["cond_jaxpr"].jaxpr])
-      nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-      return [self.plan(eqn.params["body_jaxpr"].jaxpr, where,
-                        ins[nc:nc + nb] + [any(ins)] * (len(ins) - nc - nb))]
-    if name == "scan":
-      nc, nk = _internals.scan_split(eqn.params)
-      return [self.plan(eqn.params["jaxpr"].jaxpr, where,
-                        ins[:nc] + [any(ins)] * nk + ins[nc + nk:])]
-    body = eqn.params["jaxpr"]
-    return [self.plan(getattr(body, "jaxpr", body), where, ins)]
 
 
 # Where a scan body's values come from (`_mark_shared`).
@@ -226,19 +217,10 @@ def _site_operands(jaxpr, plan: Plan, origins):
 def _body_origins(eqn, ins, nested: Nested):
   """``(body jaxpr, its plan, origins of its inputs)`` per body of ``eqn``.
   A nested loop's carry may come to depend on anything the loop reads."""
-  p, anything = eqn.params, frozenset().union(*ins)
-  if nested.kind == "scan":
-    nc, nk = _internals.scan_split(p)
-    return [(p["jaxpr"].jaxpr, nested.children[0],
-             ins[:nc] + [anything] * nk + ins[nc + nk:])]
-  if nested.kind == "while":
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    return [(p["body_jaxpr"].jaxpr, nested.children[0],
-             ins[nc:nc + nb] + [anything] * (len(ins) - nc - nb))]
-  if nested.kind == "cond":
-    return [(b.jaxpr, c, ins[1:]) for b, c in zip(p["branches"], nested.children)]
-  body = p["jaxpr"]
-  return [(getattr(body, "jaxpr", body), nested.children[0], ins)]
+  del eqn
+  anything = frozenset().union(*ins)
+  return [(r.jaxpr, child, r.flow(ins, anything))
+          for r, child in zip(nested.regions, nested.children)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,11 +255,6 @@ class Fp8Selection:
     if recipe not in policy_lib.FP8_RECIPES:
       return None, ""
     return policy_lib.FP8_RECIPES[recipe], module.replace(".", "/")
-
-
-def _is_higher_order(eqn) -> bool:
-  return any(isinstance(getattr(v, "jaxpr", v), _internals.core.Jaxpr)
-             or _internals.is_wrapped_fun(v) for v in eqn.params.values())
 
 
 def _join(prefix: str, stack: str) -> str:

@@ -35,6 +35,7 @@ from jax import extend as jex
 
 from jmp_lite import _internals
 from jmp_lite import _replicas
+from jmp_lite import _traverse
 
 
 def _aval(node) -> Any:
@@ -42,56 +43,33 @@ def _aval(node) -> Any:
   return x.aval if graph is not None else jax.typeof(x)
 
 
-def _jaxprs(eqn) -> list[tuple[Any, bool]]:
-  """``(open jaxpr, is_closed)`` for each jaxpr in ``eqn``'s params."""
-  out = []
-  for value in eqn.params.values():
-    for v in (value if isinstance(value, (tuple, list)) else (value,)):
-      if isinstance(v, jex.core.ClosedJaxpr):
-        out.append(v.jaxpr)
-      elif isinstance(v, jex.core.Jaxpr):
-        out.append(v)
-  return out
-
-
 class _Inner:
-  """A jaxpr inside an equation: where its variables come from."""
+  """A jaxpr inside an equation (a `jmp_lite._traverse.Region`): where its
+  variables come from."""
 
-  def __init__(self, jaxpr, outer_eqn, outer_graph, in_offset, loop_from, transposed):
-    self.jaxpr = jaxpr
+  def __init__(self, region, outer_eqn, outer_graph, transposed):
+    self.region = region
+    self.jaxpr = region.jaxpr
     self.eqn = outer_eqn
     self.outer = outer_graph
-    self.in_offset = in_offset  # jaxpr invar j is the eqn's operand j + in_offset
-    self.loop_from = loop_from  # invar j >= loop_from is also outvar j - loop_from
     self.transposed = transposed
     self.producers = {}
-    for e in jaxpr.eqns:
+    for e in self.jaxpr.eqns:
       for i, v in enumerate(e.outvars):
         self.producers[v] = (e, i)
 
+  def result(self, index: int):
+    """The jaxpr's output that is the equation's result ``index``, or None."""
+    return next((v for v, o in zip(self.jaxpr.outvars, self.region.outputs) if o == index),
+                None)
 
-def _sub_graphs(eqn, graph, transposed) -> Optional[list[_Inner]]:
-  """The jaxprs of ``eqn`` whose outputs are its outputs, or None."""
-  name = eqn.primitive.name
-  n_in, n_out = len(_internals.eqn_inputs(eqn)), len(eqn.outvars)
-  if name == "scan":
-    (body,) = _jaxprs(eqn)
-    return [_Inner(body, eqn, graph, 0, _internals.scan_split(eqn.params)[0],
-                   transposed)]
-  if name == "while":
-    body = eqn.params["body_jaxpr"].jaxpr
-    return [_Inner(body, eqn, graph, eqn.params["cond_nconsts"],
-                   eqn.params["body_nconsts"], transposed)]
-  if name == "cond":
-    return [_Inner(b.jaxpr, eqn, graph, 1, None, transposed)
-            for b in eqn.params["branches"]]
-  inner = [j for j in _jaxprs(eqn)
-           if len(j.invars) == n_in and len(j.outvars) == n_out]
-  if not inner:
-    return None
-  # jit, closed_call, jax.checkpoint, custom_jvp_call, custom_vjp_call: the
-  # jaxpr that runs (the first of its arity) maps operands and results 1:1.
-  return [_Inner(inner[0], eqn, graph, 0, None, transposed)]
+
+def _sub_graphs(eqn, graph, transposed) -> list[_Inner]:
+  """The jaxprs of ``eqn`` whose outputs are its outputs (none for a
+  first-order equation, or an unknown one: its operands are walked)."""
+  return [_Inner(r, eqn, graph, transposed)
+          for r in _traverse.regions_or_warn(eqn, "reduce_gradients")
+          if any(o is not None for o in r.outputs)]
 
 
 def _producer(node):
@@ -113,9 +91,11 @@ def _outer_sources(node) -> list[Any]:
     return []
   j = graph.jaxpr.invars.index(x)
   operands = _internals.eqn_inputs(graph.eqn)
-  out = [(graph.outer, operands[j + graph.in_offset])]
-  if graph.loop_from is not None and j >= graph.loop_from:
-    out.append((graph, graph.jaxpr.outvars[j - graph.loop_from]))
+  region = graph.region
+  out = [(graph.outer, operands[region.inputs[j]])]
+  if region.carried[j]:
+    # The k-th carry is, from the second iteration on, the body's k-th output.
+    out.append((graph, graph.jaxpr.outvars[sum(region.carried[:j])]))
   return out
 
 
@@ -145,9 +125,10 @@ def summed_by_autodiff(x, axis: str) -> Optional[jax.typing.DTypeLike]:
         continue
     elif transposed and name == "psum_invariant" and axis in eqn.params["axes"]:
       return eqn.outvars[index].aval.dtype
-    inner = _sub_graphs(eqn, graph, transposed)
-    if inner is not None:
-      stack.extend(((g, g.jaxpr.outvars[index]), phase, transposed) for g in inner)
+    inner = [(g, g.result(index)) for g in _sub_graphs(eqn, graph, transposed)]
+    inner = [(g, v) for g, v in inner if v is not None]
+    if inner:
+      stack.extend((node, phase, transposed) for node in inner)
       continue
     for operand in _internals.eqn_inputs(eqn):
       if isinstance(operand, jex.core.Literal):

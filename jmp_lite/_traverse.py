@@ -68,6 +68,11 @@ class Region:
     outputs: per output of ``jaxpr``, the index of the equation result it
       becomes, or None (a scan's carry is its result only on the last
       iteration, still mapped; a while loop's condition has no result).
+    sliced: per input, whether it receives one slice of its operand per
+      iteration (a scan's ``xs``; the operand has a leading axis of
+      ``length``). Empty: none.
+    stacked: per output, whether the equation's result stacks it over the
+      iterations (a scan's ``ys``). Empty: none.
     runs: `ONCE`, `EACH` (``length`` times), `WHILE` or `ONE_OF`.
     length: a scan's trip count; 1 for a call; None where it is dynamic.
     differentiated: whether autodiff differentiates this jaxpr as written.
@@ -86,6 +91,8 @@ class Region:
   carried: tuple[bool, ...]
   outputs: tuple[Optional[int], ...]
   runs: str = ONCE
+  sliced: tuple[bool, ...] = ()
+  stacked: tuple[bool, ...] = ()
   length: Optional[int] = 1
   differentiated: bool = True
   per_device: bool = False
@@ -103,10 +110,12 @@ def _open(body) -> tuple[Any, Sequence[Any]]:
   return body, ()
 
 
-def _call(kind, label, body, n_in, n_out, **kw) -> Region:
+def _call(kind, label, body, **kw) -> Region:
+  """A body that takes the equation's operands and gives its results, 1:1."""
   jaxpr, consts = _open(body)
+  n_in = len(jaxpr.invars)
   return Region(kind, label, jaxpr, consts, tuple(range(n_in)), (False,) * n_in,
-                tuple(range(n_out)), **kw)
+                tuple(range(len(jaxpr.outvars))), **kw)
 
 
 def _scan(eqn) -> list[Region]:
@@ -115,16 +124,19 @@ def _scan(eqn) -> list[Region]:
   n_consts, n_carry = _internals.scan_split(p)
   n_in = len(jaxpr.invars)
   carried = tuple(n_consts <= k < n_consts + n_carry for k in range(n_in))
+  n_out = len(jaxpr.outvars)
   return [Region("scan", "scan", jaxpr, consts, tuple(range(n_in)), carried,
-                 tuple(range(len(jaxpr.outvars))), runs=EACH, length=int(p["length"]))]
+                 tuple(range(n_out)), runs=EACH, length=int(p["length"]),
+                 sliced=tuple(k >= n_consts + n_carry for k in range(n_in)),
+                 stacked=tuple(j >= n_carry for j in range(n_out)))]
 
 
 def _while(eqn) -> list[Region]:
   p = eqn.params
   nc, nb = int(p["cond_nconsts"]), int(p["body_nconsts"])
-  n_carry = len(eqn.outvars)
   cond, cond_consts = _open(p["cond_jaxpr"])
   body, body_consts = _open(p["body_jaxpr"])
+  n_carry = len(body.outvars)
   carry = tuple(range(nc + nb, nc + nb + n_carry))
   return [
       Region("while_cond", "while.cond", cond, cond_consts, tuple(range(nc)) + carry,
@@ -148,7 +160,7 @@ def _cond(eqn) -> list[Region]:
 
 def _simple(kind: str, label: Optional[str], param: str, **kw) -> Callable:
   def regions(eqn):
-    return [_call(kind, label, eqn.params[param], len(eqn.invars), len(eqn.outvars), **kw)]
+    return [_call(kind, label, eqn.params[param], **kw)]
   return regions
 
 
@@ -159,6 +171,7 @@ def _simple(kind: str, label: Optional[str], param: str, **kw) -> Callable:
 _TABLE: dict[str, Callable[[Any], list[Region]]] = {
     "jit": _simple("call", None, "jaxpr"),
     "pjit": _simple("call", None, "jaxpr"),
+    "call": _simple("call", None, "call_jaxpr"),
     "closed_call": _simple("call", None, "call_jaxpr"),
     "core_call": _simple("call", None, "call_jaxpr"),
     "remat2": _simple("checkpoint", "checkpoint", "jaxpr"),

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from jmp_lite import _internals
 from jmp_lite import _probes
+from jmp_lite import _traverse
 from jmp_lite._engine import UncoveredMatmulWarning
 
 _WHY = {
@@ -30,11 +31,7 @@ _WHY = {
 
 def _bodies(eqn):
   """The jaxprs held by ``eqn``'s parameters (branches and bodies)."""
-  for value in eqn.params.values():
-    for v in (value if isinstance(value, (tuple, list)) else (value,)):
-      body = getattr(v, "jaxpr", v)
-      if isinstance(body, _internals.core.Jaxpr):
-        yield body
+  return [getattr(body, "jaxpr", body) for _, body in _traverse.held_jaxprs(eqn)]
 
 
 def count(jaxpr, where: str, choose: Optional[Callable], join: Callable) -> tuple[int, int]:

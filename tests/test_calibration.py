@@ -438,27 +438,3 @@ def test_a_custom_vjp_body_is_measured_and_its_rule_still_differentiates():
   np.testing.assert_allclose(got.max_cotangent,
                              float(jnp.max(jnp.abs(jax.grad(loss)(w, x)))), rtol=1e-5)
 
-
-def test_an_unknown_higher_order_primitive_is_warned_about_not_skipped(monkeypatch):
-  """A primitive that runs a jaxpr and that no pass knows (declared
-  higher-order here, as JAX's rules would): the traversal says so
-  (`jmp_lite._traverse.UnknownPrimitiveWarning`, naming the pass) and
-  hands its body over as opaque, instead of skipping it in silence."""
-  from jmp_lite import _traverse
-  monkeypatch.setitem(_traverse._HIGHER_ORDER, "someone_elses_call", True)
-
-  class Fake:
-    name = "someone_elses_call"
-    multiple_results = True
-
-  closed = jax.make_jaxpr(lambda a: a * 2)(jnp.ones(2))
-
-  class Eqn:
-    primitive = Fake()
-    params = {"body": closed}
-
-  with pytest.warns(_traverse.UnknownPrimitiveWarning, match="someone_elses_call"):
-    regions = _traverse.regions_or_warn(Eqn(), "calibrate")
-  assert [r.kind for r in regions] == ["unknown"]
-  with pytest.raises(_traverse.UnknownPrimitiveError, match="someone_elses_call"):
-    _traverse.regions(Eqn())
