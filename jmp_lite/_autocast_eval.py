@@ -20,6 +20,7 @@ from jax import lax
 from jmp_lite import _accumulate
 from jmp_lite import _dtypes
 from jmp_lite import _internals
+from jmp_lite import _traverse
 from jmp_lite.oplists import CUMULATIVE as _CUMULATIVE
 from jmp_lite.oplists import REDUCE_AXES as _REDUCE_AXES
 
@@ -114,8 +115,12 @@ def _eval_eqn(eqn, invals, rules):
     # An explicit cast: convert straight from the float32 accumulator.
     x = invals[0].value if isinstance(invals[0], _Wide) else invals[0]
     return _bind(eqn, [x])
-  if (name in _OPAQUE or "callback" in name
-      or _has_jaxpr_params(eqn.params)):
+  if name in _OPAQUE or "callback" in name:
+    return _bind(eqn, _restore(eqn, invals))
+  if _has_jaxpr_params(eqn.params):
+    # Bodies without a rule here run as written (the op lists do not reach
+    # them; the engine still makes their matmuls accumulate in float32).
+    _traverse.warn_not_entered(eqn, "autocast")
     return _bind(eqn, _restore(eqn, invals))
   if name in rules.white:
     return _white(eqn, invals, rules)

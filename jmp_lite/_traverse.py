@@ -13,7 +13,8 @@ often it runs and whether it is what autodiff differentiates.
 A primitive that holds a jaxpr and is not in the table is never skipped in
 silence: `regions` raises `UnknownPrimitiveError` (a pass in strict mode
 lets it propagate) and `regions_or_warn` warns and returns its jaxprs as
-opaque regions (a pass runs the equation as written).
+opaque regions (a pass runs the equation as written); `warn_not_entered`
+is what a pass calls for a primitive it has no rule for, known or not.
 
 Parameter names by primitive, as of the JAX versions this library supports
 (0.9 to 0.11; read in jax/_src/{pjit,ad_checkpoint,custom_derivatives,
@@ -36,8 +37,9 @@ class UnknownPrimitiveError(NotImplementedError):
   """A primitive holding jaxprs that no pass knows how to enter."""
 
 
-class UnknownPrimitiveWarning(UserWarning):
-  """A primitive holding jaxprs was run as written: no pass entered it."""
+class BodyNotEnteredWarning(UserWarning):
+  """A pass ran a body as written: it does not know, or has no rule for,
+  the primitive holding it."""
 
 
 # How a region runs, relative to its equation.
@@ -245,7 +247,7 @@ def regions_or_warn(eqn, what: str) -> list[Region]:
   try:
     return regions(eqn)
   except UnknownPrimitiveError as e:
-    warnings.warn(f"{what}: {e}; it runs as written.", UnknownPrimitiveWarning,
+    warnings.warn(f"{what}: {e}; it runs as written.", BodyNotEnteredWarning,
                   stacklevel=3)
   out = []
   for key, body in held_jaxprs(eqn):
@@ -255,3 +257,14 @@ def regions_or_warn(eqn, what: str) -> list[Region]:
                       tuple(range(n)), (True,) * n, (None,) * len(jaxpr.outvars),
                       length=None, differentiated=False))
   return out
+
+
+def warn_not_entered(eqn, what: str) -> None:
+  """Warns that the pass ``what`` runs ``eqn``'s bodies as written, if it
+  holds any (nothing for a first-order primitive or a combiner)."""
+  name = eqn.primitive.name
+  if name not in _TABLE:
+    regions_or_warn(eqn, what)  # warns for an unknown one
+  elif _TABLE[name](eqn):
+    warnings.warn(f"{what} has no rule for the bodies of {name!r}; they run as written.",
+                  BodyNotEnteredWarning, stacklevel=3)

@@ -153,7 +153,7 @@ def test_an_unknown_higher_order_primitive_is_an_error_or_a_warning(monkeypatch)
 
   with pytest.raises(_traverse.UnknownPrimitiveError, match="someone_elses_call"):
     _traverse.regions(Eqn())
-  with pytest.warns(_traverse.UnknownPrimitiveWarning, match="calibrate.*someone_elses"):
+  with pytest.warns(_traverse.BodyNotEnteredWarning, match="calibrate.*someone_elses"):
     regions = _traverse.regions_or_warn(Eqn(), "calibrate")
   assert [(r.kind, r.outputs) for r in regions] == [("unknown", (None,))]
 
@@ -167,3 +167,18 @@ def test_the_table_knows_the_installed_jaxs_higher_order_primitives():
   assert transient <= {"custom_lin", "linear_call", "custom_transpose_call",
                        "call_hi_primitive", "core_map", "run_state"}, transient
   assert _internals.higher_order_primitives() <= _traverse.KNOWN | transient
+
+
+def test_a_pass_without_a_rule_for_a_body_says_so(recwarn):
+  """`warn_not_entered`: a pass that runs a known primitive's body as
+  written warns, naming itself and the primitive; a first-order equation
+  and a combiner hold no body, and nothing is said."""
+  closed, _ = _outer("shard_map")
+  (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+  with pytest.warns(_traverse.BodyNotEnteredWarning, match="some pass.*'shard_map'"):
+    _traverse.warn_not_entered(eqn, "some pass")
+  closed = jax.make_jaxpr(lambda x, i: jnp.sin(x.at[i].add(1.0)))(jnp.zeros(4),
+                                                                    jnp.array([1]))
+  for eqn in closed.jaxpr.eqns:
+    _traverse.warn_not_entered(eqn, "some pass")
+  assert not [w for w in recwarn if issubclass(w.category, _traverse.BodyNotEnteredWarning)]
