@@ -86,22 +86,15 @@ def evaluate(jaxpr, consts, args, key, perturb):
     here = key + (next(index),)
     regions = _regions(eqn)
     kind = regions[0].kind if regions else None
-    if kind in ("call", "checkpoint"):
-      outs, inner = evaluate(regions[0].jaxpr, regions[0].consts, invals, here + (0,),
-                              perturb)
-    elif kind == "scan":
-      outs, inner = _scan(eqn, regions[0], invals, here, perturb)
-    elif kind == "cond":
-      outs, inner = _cond(regions, invals, here, perturb)
-    elif kind == "while":
-      outs, inner = _while(eqn, regions[0], invals, here, perturb)
+    if kind in _traverse.RUNS:
+      outs, inner = _bodies(eqn, regions, invals, here, perturb)
     elif kind in ("custom_jvp", "custom_vjp"):
       # The rule differentiates; the body, run again on the same values
       # held constant, shows what the forward pass computes inside.
       outs = _internals.bind(eqn, invals)
       _, inner = evaluate(regions[0].jaxpr, regions[0].consts,
-                           [jax.lax.stop_gradient(v) for v in invals], here + (0,),
-                           _within(perturb, here + (0,)))
+                          [jax.lax.stop_gradient(v) for v in invals], here + (0,),
+                          _within(perturb, here + (0,)))
     else:
       outs, inner = _internals.bind(eqn, invals), {}
     seen.update(inner)
@@ -137,72 +130,25 @@ def _largest(x) -> jax.Array:
   return jnp.max(jnp.where(a < jnp.finfo(x.dtype).max, a, 0)).astype(jnp.float32)
 
 
-def _scan(eqn, region, invals, key, perturb):
-  """A ``scan`` equation, its body evaluated by `evaluate` per iteration
-  (the perturbations of its points are scanned over with ``xs``)."""
-  p = eqn.params
-  n_consts, n_carry = _internals.scan_split(p)
-  consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], \
-      invals[n_consts + n_carry:]
-  inner = list(_within(perturb, key + (0,)))
-  scanned = [k for k in inner if perturb[k] is not None]
+def _bodies(eqn, regions, invals, key, perturb):
+  """An equation with bodies (`jmp_lite._traverse.run`), each evaluated by
+  `evaluate` with the perturbations of its points: a scan's are scanned
+  over with ``xs``, a while loop's are none (it is never differentiated).
+  Every body reports every point of them all (zeros for a branch not
+  taken), each one's largest value over the iterations."""
+  names = [k for r in range(len(regions)) for k in _within(perturb, key + (r,))]
+  zero = jnp.zeros((), jnp.float32)
 
-  def step(carry, x):
-    x_now, p_now = x
-    now = {k: None for k in inner}
-    now.update(zip(scanned, p_now))
-    outs, seen = evaluate(region.jaxpr, region.consts, [*consts, *carry, *x_now],
-                           key + (0,), now)
-    return outs[:n_carry], (outs[n_carry:], seen)
+  def body(r, args, given):
+    mine = {k: given.get(k) for k in _within(perturb, key + (r,))}
+    outs, seen = evaluate(regions[r].jaxpr, regions[r].consts, args, key + (r,), mine)
+    return outs, {k: seen.get(k, zero) for k in names}
 
-  carry, (ys, seen) = jax.lax.scan(step, list(init), (list(xs), [perturb[k] for k in scanned]),
-                                   length=p["length"], reverse=p["reverse"],
-                                   unroll=p["unroll"])
-  return [*carry, *ys], {k: jnp.max(v) for k, v in seen.items()}
-
-
-def _cond(regions, invals, key, perturb):
-  """A ``cond`` equation, each branch evaluated by `evaluate`: the points
-  of every branch are outputs of each (zero where another branch holds
-  them), so the one taken reports its values and its perturbations'
-  gradients, and the others report zeros."""
-  every = [_within(perturb, key + (r,)) for r in range(len(regions))]
-  names = [k for points in every for k in points]
-
-  def branch(r):
-    def run(ops, given):
-      now = {k: given[k] for k in every[r]}
-      outs, seen = evaluate(regions[r].jaxpr, regions[r].consts,
-                             [ops[i - 1] for i in regions[r].inputs], key + (r,), now)
-      return outs, [seen.get(k, jnp.float32(0)) for k in names]
-    return run
-
-  outs, seen = jax.lax.switch(invals[0], [branch(r) for r in range(len(regions))],
-                              list(invals[1:]), {k: perturb[k] for k in names})
-  return list(outs), dict(zip(names, seen))
-
-
-def _while(eqn, body, invals, key, perturb):
-  """A ``while`` equation, its body evaluated by `evaluate` on each
-  iteration (never differentiated: its points are measured, not
-  perturbed), each point's largest value over the iterations kept."""
-  p = eqn.params
-  nc, nb = p["cond_nconsts"], p["body_nconsts"]
-  cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
-  inner = list(_within(perturb, key + (0,)))  # the body is the first region
-  cond = p["cond_jaxpr"]
-
-  def keep_going(state):
-    carry, _ = state
-    return _internals.eval_jaxpr(cond.jaxpr, cond.consts, [*cond_consts, *carry],
-                                 _internals.bind)[0]
-
-  def step(state):
-    carry, most = state
-    outs, seen = evaluate(body.jaxpr, body.consts, [*body_consts, *carry], key + (0,),
-                           {k: None for k in inner})
-    return list(outs), [jnp.maximum(m, seen[k]) for m, k in zip(most, inner)]
-
-  carry, most = jax.lax.while_loop(keep_going, step,
-                                   (list(init), [jnp.float32(0)] * len(inner)))
-  return carry, dict(zip(inner, most))
+  if regions[0].kind == "while":
+    largest = lambda a, b: {k: jnp.maximum(a[k], b[k]) for k in names}
+    return _traverse.run(eqn, invals, body, {k: None for k in names}, combine=largest,
+                         start={k: zero for k in names})
+  outs, seen = _traverse.run(eqn, invals, body, {k: perturb[k] for k in names})
+  if regions[0].kind == "scan":
+    seen = {k: jnp.max(v) for k, v in seen.items()}
+  return outs, seen

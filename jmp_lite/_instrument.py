@@ -43,7 +43,6 @@ a custom rule's body is not what its derivative computes.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -54,6 +53,7 @@ from jmp_lite import _fp8_numerics
 from jmp_lite import _fp8_sites
 from jmp_lite import _internals
 from jmp_lite import _probes
+from jmp_lite import _traverse
 from jmp_lite import _replicas
 from jmp_lite import _fp8_state
 from jmp_lite._plan import Fp8Selection, Nested, Plan, Planner
@@ -130,76 +130,36 @@ def _assemble(size: int, found, like) -> jax.Array:
 
 def _nested(eqn, invals, carrier, nested: Nested, gate):
   """``eqn`` re-bound with its share of ``carrier``: ``(outputs, forward)``.
-  Its bodies are ``nested.regions`` (`jmp_lite._traverse`), one per child plan."""
-  p = eqn.params
-  kind = nested.kind
+  Its bodies are ``nested.regions``, one per child plan, evaluated by
+  `interpret` through `jmp_lite._traverse.run`: a scan's iterations each
+  read a row of the share, a cond's branches each their own slice of it,
+  and a while loop's iterations all read it, their forward measurements
+  combined (maxima by max, counts by sum) into one row."""
   sizes = [c.size for c in nested.children]
   share = carrier[nested.offset:nested.offset + nested.length * sum(sizes)]
-  body = nested.regions[0]
-  if kind == "scan":
-    (child,) = nested.children
-    nc, nk = _internals.scan_split(p)
-    consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
-
-    def step(carry, x):
-      xs_i, c_i = x
-      outs, measured = interpret(body.jaxpr, body.consts, [*consts, *carry, *xs_i],
-                                 c_i, child, gate)
-      return outs[:nk], (outs[nk:], measured)
-
-    carry, (ys, measured) = jax.lax.scan(
-        step, list(init), (list(xs), share.reshape(nested.length, sizes[0])),
-        length=nested.length, reverse=p["reverse"], unroll=p["unroll"])
-    return [*carry, *ys], measured.reshape(-1)
-  if kind == "checkpoint":
-    (child,) = nested.children
-    fun = lambda c, *a: interpret(body.jaxpr, body.consts, list(a), c, child, gate)
-    outs, measured = jax.checkpoint(fun, prevent_cse=p["prevent_cse"],
-                                    policy=p["policy"])(share, *invals)
-    return list(outs), measured
-  if kind == "call":
-    (child,) = nested.children
-    return interpret(body.jaxpr, body.consts, list(invals), share, child, gate)
-  if kind == "while":
-    return _while(p, invals, share, nested.children[0], gate)
-  # cond: each branch reads its own slice of the share.
   starts = np.cumsum([0, *sizes])
-  branches = [functools.partial(_branch, r, c, share, int(s), gate)
-              for r, c, s in zip(nested.regions, nested.children, starts)]
-  outs, measured = jax.lax.switch(invals[0], branches, *invals[1:])
-  return list(outs), measured
 
+  def body(r, args, st):
+    region, child = nested.regions[r], nested.children[r]
+    if nested.kind != "cond":
+      return interpret(region.jaxpr, region.consts, args, st, child, gate)
+    start = int(starts[r])
+    outs, measured = interpret(region.jaxpr, region.consts, args,
+                               st[start:start + child.size], child, gate)
+    return outs, _assemble(st.shape[0], [(start, measured)], st)
 
-def _branch(branch, plan, share, start, gate, *ops):
-  outs, measured = interpret(branch.jaxpr, branch.consts, list(ops),
-                             share[start:start + plan.size], plan, gate)
-  return outs, _assemble(share.shape[0], [(start, measured)], share)
-
-
-def _while(p, invals, region, child: Plan, gate):
-  """A ``while`` loop whose body measures: its forward measurements combined
-  over the iterations (maxima by max, counts by sum), one row in all."""
-  nc, nb = p["cond_nconsts"], p["body_nconsts"]
-  cond, body = p["cond_jaxpr"], p["body_jaxpr"]
-  cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
-  # No gradient flows through a while loop: its sites only read their scales.
-  region = jax.lax.stop_gradient(region)
-  _, maxima = forward_slots(child)
-
-  def keep_going(state):
-    carry, _ = state
-    return _internals.eval_jaxpr(cond.jaxpr, cond.consts, [*cond_consts, *carry],
-                                 _internals.bind)[0]
-
-  def step(state):
-    carry, seen = state
-    outs, measured = interpret(body.jaxpr, body.consts, [*body_consts, *carry],
-                               region, child, gate)
-    return outs, jnp.where(maxima, jnp.maximum(seen, measured), seen + measured)
-
-  carry, seen = jax.lax.while_loop(keep_going, step,
-                                   (list(init), _assemble(child.size, [], region)))
-  return list(carry), seen
+  if nested.kind == "scan":
+    outs, measured = _traverse.run(eqn, invals, body,
+                                   share.reshape(nested.length, sizes[0]))
+    return outs, measured.reshape(-1)
+  if nested.kind == "while":
+    # No gradient flows through a while loop: its sites only read their scales.
+    _, maxima = forward_slots(nested.children[0])
+    fold = lambda seen, new: jnp.where(maxima, jnp.maximum(seen, new), seen + new)
+    share = jax.lax.stop_gradient(share)
+    return _traverse.run(eqn, invals, body, share, combine=fold,
+                         start=_assemble(share.shape[0], [], share))
+  return _traverse.run(eqn, invals, body, share)
 
 
 def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None):

@@ -16,6 +16,11 @@ lets it propagate) and `regions_or_warn` warns and returns its jaxprs as
 opaque regions (a pass runs the equation as written); `warn_not_entered`
 is what a pass calls for a primitive it has no rule for, known or not.
 
+`run` evaluates an equation whose bodies a measuring pass evaluates itself
+(calibrate's perturbations, telemetry's probes and fp8's sites), threading
+the pass's own state through calls, checkpoints, scans, branches and while
+loops: the one place that knows how each of them runs.
+
 Parameter names by primitive, as of the JAX versions this library supports
 (0.9 to 0.11; read in jax/_src/{pjit,ad_checkpoint,custom_derivatives,
 shard_map}.py and jax/_src/lax/control_flow/{loops,conditionals}.py); the
@@ -25,8 +30,11 @@ scan's operand split is `jmp_lite._internals.scan_split`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable, Optional, Sequence
+
+import jax
 
 from jmp_lite import _internals
 
@@ -268,3 +276,82 @@ def warn_not_entered(eqn, what: str) -> None:
   elif _TABLE[name](eqn):
     warnings.warn(f"{what} has no rule for the bodies of {name!r}; they run as written.",
                   BodyNotEnteredWarning, stacklevel=3)
+
+
+# The kinds `run` evaluates: every body of these runs as JAX would run it.
+RUNS = frozenset({"call", "checkpoint", "scan", "cond", "while"})
+
+
+def run(eqn, invals, body: Callable, state: Any, *, combine: Callable = None,
+        start: Any = None) -> tuple[list, Any]:
+  """Evaluates ``eqn``, a call, checkpoint, scan, cond or while (`RUNS`),
+  with its bodies evaluated by the pass: ``body(r, args, state) -> (outs,
+  out)`` for the ``r``-th entered region (a while loop's condition is not
+  one: it runs as written), threading the pass's ``state`` and ``out``:
+
+  * call, checkpoint: one ``body`` call on ``state``; a checkpoint keeps its
+    ``policy`` and ``prevent_cse`` (the body runs under `jax.checkpoint`);
+  * scan: ``state`` has a leading axis of the scan's length, sliced per
+    iteration as ``xs`` are; the ``out``s come back stacked like ``ys``;
+  * cond: the branch taken gets ``state``; every branch's ``out`` must have
+    one structure;
+  * while: every iteration gets ``state``; the ``out``s are folded by
+    ``combine(so_far, out)`` from ``start``.
+
+  Returns ``(the equation's outputs, out)``.
+  """
+  regions = [r for r in _TABLE[eqn.primitive.name](eqn) if r.kind != "while_cond"]
+  kind = regions[0].kind
+  p = eqn.params
+  invals = list(invals)
+  if kind == "call":
+    outs, out = body(0, invals, state)
+    return list(outs), out
+  if kind == "checkpoint":
+    fun = lambda st, *args: body(0, list(args), st)
+    outs, out = jax.checkpoint(fun, prevent_cse=p["prevent_cse"], policy=p["policy"])(
+        state, *invals)
+    return list(outs), out
+  if kind == "scan":
+    (r,) = regions
+    n_carry = sum(r.carried)
+    fixed = [(v, c, s) for v, c, s in zip((invals[i] for i in r.inputs), r.carried, r.sliced)]
+    init = [v for v, c, _ in fixed if c]
+    xs = [v for v, _, s in fixed if s]
+
+    def step(carry, x):
+      xs_now, st = x
+      now_c, now_x = iter(carry), iter(xs_now)
+      args = [next(now_c) if c else next(now_x) if s else v for v, c, s in fixed]
+      outs, out = body(0, args, st)
+      return list(outs[:n_carry]), (list(outs[n_carry:]), out)
+
+    carry, (ys, out) = jax.lax.scan(step, init, (xs, state), length=r.length,
+                                    reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys], out
+  if kind == "cond":
+    def branch(i, ops, st):
+      return body(i, [ops[k - 1] for k in regions[i].inputs], st)
+    outs, out = jax.lax.switch(invals[0], [functools.partial(branch, i)
+                                           for i in range(len(regions))],
+                               invals[1:], state)
+    return list(outs), out
+  if kind == "while":
+    cond, (r,) = _TABLE["while"](eqn)[0], regions
+    cond_consts = [invals[i] for i, c in zip(cond.inputs, cond.carried) if not c]
+    body_consts = [invals[i] for i, c in zip(r.inputs, r.carried) if not c]
+    init = [invals[i] for i, c in zip(r.inputs, r.carried) if c]
+
+    def keep_going(loop):
+      carry, _ = loop
+      return _internals.eval_jaxpr(cond.jaxpr, cond.consts, [*cond_consts, *carry],
+                                   _internals.bind)[0]
+
+    def step(loop):
+      carry, so_far = loop
+      outs, out = body(0, [*body_consts, *carry], state)
+      return list(outs), combine(so_far, out)
+
+    carry, out = jax.lax.while_loop(keep_going, step, (init, start))
+    return list(carry), out
+  raise ValueError(f"_traverse.run: {eqn.primitive.name!r} is not one of {sorted(RUNS)}")
