@@ -182,3 +182,42 @@ def test_a_pass_without_a_rule_for_a_body_says_so(recwarn):
   for eqn in closed.jaxpr.eqns:
     _traverse.warn_not_entered(eqn, "some pass")
   assert not [w for w in recwarn if issubclass(w.category, _traverse.BodyNotEnteredWarning)]
+
+
+@pytest.mark.parametrize("name", ["jit", "checkpoint", "scan", "while", "cond", "switch"])
+def test_run_evaluates_as_jax_does_and_threads_the_pass_state(name):
+  """`run`, with bodies evaluated as written, gives what binding the
+  equation gives (the oracle), and threads the pass's state: a scan's
+  iterations each see one row of it and their results come back stacked;
+  a while loop's are folded (here: counted, one iteration)."""
+  closed, x = _outer(name)
+  met = []
+
+  def eval_eqn(eqn, invals):
+    want = _internals.bind(eqn, invals)
+    if not _traverse.regions(eqn) or eqn.primitive.name not in _traverse.KNOWN:
+      return want
+    kind = [r for r in _traverse.regions(eqn) if r.kind != "while_cond"][0].kind
+    if kind not in _traverse.RUNS:
+      return want
+    entered = [r for r in _traverse.regions(eqn) if r.kind != "while_cond"]
+
+    def body(r, args, st):
+      outs = _internals.eval_jaxpr(entered[r].jaxpr, entered[r].consts, args,
+                                   _internals.bind)
+      return outs, st + 1.0
+
+    length = entered[0].length if kind == "scan" else 1
+    state = jnp.zeros((length,)) if kind == "scan" else jnp.float32(10)
+    outs, out = _traverse.run(eqn, invals, body, state, combine=lambda a, b: a + 1.0,
+                              start=jnp.float32(0))
+    met.append(kind)
+    want = list(want) if eqn.primitive.multiple_results else [want]
+    for g, w in zip(outs, want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+    expected = {"scan": np.ones(length), "while": 1.0}.get(kind, 11.0)
+    np.testing.assert_allclose(np.asarray(out), expected)
+    return want if eqn.primitive.multiple_results else want[0]
+
+  _internals.eval_jaxpr(closed.jaxpr, closed.consts, [x], eval_eqn)
+  assert met, name
