@@ -34,7 +34,7 @@ def _regions(eqn) -> list:
           if not r.per_device and r.kind not in ("unknown", "while_cond")]
 
 
-def points(jaxpr, key=(), outer="", lengths=(), dead=()):
+def points(jaxpr, key=(), outer="", lengths=(), dead=(), frozen=False):
   """Every floating value computed in ``jaxpr`` and the bodies it enters:
   ``(key, shape, dtype, scope, live)``, where ``key`` is the path of
   equation indices (and, for an equation with bodies, the body's index
@@ -46,8 +46,9 @@ def points(jaxpr, key=(), outer="", lengths=(), dead=()):
   reaches it in training, and perturbing it would differentiate what it
   flows into (a teacher's ``while`` loop cannot be). Values inside a body
   autodiff does not differentiate as written (a custom rule's primal body,
-  a ``while`` loop) are not live either: measured on the forward pass,
-  their cotangents are the rule's business."""
+  a ``while`` loop) are not live either (``frozen``: the whole jaxpr is
+  such a body): measured on the forward pass, their cotangents are the
+  rule's business."""
   found = []
   gone = {v for v, d in zip(jaxpr.invars, dead) if d}
   is_dead = lambda v: isinstance(v, _internals.core.Var) and v in gone
@@ -61,16 +62,16 @@ def points(jaxpr, key=(), outer="", lengths=(), dead=()):
             d for v, d in zip(eqn.invars, ins) if isinstance(v, _internals.core.Var)))
     for r, region in enumerate(_regions(eqn)):
       # A carry can come to depend on any operand.
-      body_dead = (region.flow(ins, out_dead) if region.differentiated
-                   else [True] * len(region.jaxpr.invars))
       inner_lengths = lengths + ((region.length,) if region.runs == _traverse.EACH else ())
-      found += points(region.jaxpr, here + (r,), scope, inner_lengths, body_dead)
+      found += points(region.jaxpr, here + (r,), scope, inner_lengths,
+                      region.flow(ins, out_dead),
+                      frozen or not region.differentiated)
     for j, v in enumerate(eqn.outvars):
       if out_dead and isinstance(v, _internals.core.Var):
         gone.add(v)
       if _dtypes.is_floating(v.aval):
         found.append((here + (j,), lengths + tuple(v.aval.shape), v.aval.dtype, scope,
-                      not out_dead))
+                      not (out_dead or frozen)))
   return found
 
 

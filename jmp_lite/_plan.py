@@ -4,8 +4,9 @@
 values are probed (telemetry) and which matmuls are fp8 sites, and where
 each one's slice of the flat float32 carrier lives. A `Plan` per jaxpr
 maps equation indices to `Point`s (a probe or a site) and to `Nested`
-plans (the bodies of ``scan``, ``remat``, ``jit``, ``cond`` and ``while``
-equations, each with its own region of the carrier). `decode` reads a
+plans (the bodies of calls such as ``jit``, and of ``remat``, ``scan``,
+``cond`` and ``while`` equations, as `jmp_lite._traverse` gives them, each
+with its own region of the carrier). `decode` reads a
 vector laid out by a plan back per point; `forward_slots` says which slots
 the forward pass fills and which hold maxima; `sites` names the fp8 sites.
 """

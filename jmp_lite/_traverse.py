@@ -11,9 +11,9 @@ its own gaps. `regions` answers once, for every pass, as a list of
 often it runs and whether it is what autodiff differentiates.
 
 A primitive that holds a jaxpr and is not in the table is never skipped in
-silence: `regions` raises `UnknownPrimitiveError` (a pass in strict mode
-lets it propagate) and `regions_or_warn` warns and returns its jaxprs as
-opaque regions (a pass runs the equation as written); `warn_not_entered`
+silence: `regions` raises `UnknownPrimitiveError` (for a caller that must
+not go on) and `regions_or_warn`, which every pass uses, warns and returns
+its jaxprs as opaque regions (a pass runs the equation as written); `warn_not_entered`
 is what a pass calls for a primitive it has no rule for, known or not.
 
 `run` evaluates an equation whose bodies a measuring pass evaluates itself
@@ -197,6 +197,11 @@ _TABLE: dict[str, Callable[[Any], list[Region]]] = {
     # residuals, as one jaxpr (jax/_src/custom_derivatives.py, remat_opt_p).
     "remat_opt": _simple("custom_vjp", "custom_vjp", "fwd_jaxpr", differentiated=False),
     "shard_map": _simple("shard_map", "shard_map", "jaxpr", per_device=True),
+    # jax.experimental.custom_partitioning: ``call`` is the function's
+    # meaning on one device; the partitioner may lower another per shard
+    # (jax/_src/custom_partitioning.py, ``_custom_partitioning_impl``).
+    "custom_partitioning": _simple("custom_partitioning", "custom_partitioning", "call",
+                                   differentiated=False),
     "xla_pmap": _simple("pmap", "pmap", "call_jaxpr", per_device=True),
 }
 
@@ -216,17 +221,23 @@ def held_jaxprs(eqn) -> list[tuple[str, Any]]:
 _HIGHER_ORDER: dict[str, bool] = {}
 
 
-def _runs_bodies(name: str) -> bool:
-  """Whether primitive ``name`` runs the jaxprs it holds as bodies, rather
-  than as scalar combiners (``scatter-add``'s ``update_jaxpr``, ``reduce``'s
-  ``computation``): JAX gives the former the rules only higher-order
-  primitives need (`jmp_lite._internals.higher_order_primitives`). A
-  primitive is registered when its module loads, before any equation binds
-  it, so the answer per name is kept."""
+def _runs_bodies(eqn, held) -> bool:
+  """Whether ``eqn`` runs the jaxprs it holds as bodies, rather than as
+  scalar combiners (``scatter-add``'s ``update_jaxpr``, ``reduce``'s
+  ``computation``): JAX gives the former's primitives the rules only
+  higher-order primitives need (`jmp_lite._internals.higher_order_
+  primitives`; a primitive is registered when its module loads, before any
+  equation binds it, so the answer per name is kept), and a body that no
+  rule registers still takes the equation's operands as they are."""
+  name = eqn.primitive.name
   if name not in _HIGHER_ORDER:
     _HIGHER_ORDER[name] = (name in _internals.KNOWN_HIGHER_ORDER
                            or name in _internals.higher_order_primitives())
-  return _HIGHER_ORDER[name]
+  if _HIGHER_ORDER[name]:
+    return True
+  shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+  return any(shapes == [tuple(getattr(v.aval, "shape", ())) for v in _open(b)[0].invars]
+             and any(shapes) for _, b in held)
 
 
 def regions(eqn) -> list[Region]:
@@ -240,7 +251,7 @@ def regions(eqn) -> list[Region]:
   if rule is not None:
     return rule(eqn)
   held = held_jaxprs(eqn)
-  if not held or not _runs_bodies(eqn.primitive.name):
+  if not held or not _runs_bodies(eqn, held):
     return []  # first-order, or a combiner (scatter-add's update_jaxpr)
   raise UnknownPrimitiveError(
       f"jmp_lite does not know how to enter the higher-order primitive "

@@ -209,11 +209,12 @@ def calibrate(
 
   closed = jax.make_jaxpr(fun)(params, arrays)
   jaxpr = closed.jaxpr
-  # Every floating output of every equation, in the bodies of jit, remat and
-  # scan too, gets a zero added to it: the gradient with respect to that
-  # zero is the value's cotangent.
-  # (Not a value computed only from the batch, or through stop_gradient:
-  # no gradient reaches it in training.)
+  # Every floating output of every equation, in the bodies of jit, remat,
+  # scan and cond too, gets a zero added to it: the gradient with respect to
+  # that zero is the value's cotangent.
+  # (Not a value computed only from the batch, or through stop_gradient: no
+  # gradient reaches it in training. Nor one inside a while loop or a custom
+  # rule's body: measured, not differentiated.)
   flat_in = jax.tree_util.tree_leaves((params, arrays))
   n_params = len(jax.tree_util.tree_leaves(params))
   points = _calibrate_eval.points(jaxpr, dead=[False] * n_params + [True] * (len(flat_in) - n_params))

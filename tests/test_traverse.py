@@ -221,3 +221,44 @@ def test_run_evaluates_as_jax_does_and_threads_the_pass_state(name):
 
   _internals.eval_jaxpr(closed.jaxpr, closed.consts, [x], eval_eqn)
   assert met, name
+
+
+def test_a_body_no_rule_registers_is_still_a_body():
+  """``custom_partitioning`` holds its function as a jaxpr but JAX gives it
+  none of the higher-order rules: it is in the table, so `jmp_lite.audit`
+  lists the float16 matmul inside (flagged), where a combiner rule would
+  have hidden it."""
+  import jmp_lite
+  from jax.experimental.custom_partitioning import custom_partitioning
+
+  @custom_partitioning
+  def product(x, w):
+    return x @ w
+
+  product.def_partition(partition=lambda *a: None, sharding_rule="i j, j k -> i k")
+  x, w = jnp.ones((4, 8), jnp.float16), jnp.ones((8, 8), jnp.float16)
+  rows = jmp_lite.audit(product, x, w).select(category="matmul")
+  assert [(r.path, r.flags) for r in rows] == [(("custom_partitioning",),
+                                                ("half_matmul",))]
+
+
+def test_an_unregistered_primitive_whose_jaxpr_takes_its_operands_is_not_a_combiner(
+    monkeypatch):
+  """A primitive with no higher-order rules whose jaxpr takes arrays of its
+  operands' shapes runs that jaxpr as a body: it is warned about as
+  unknown, not passed over as a combiner."""
+  closed = jax.make_jaxpr(lambda a: a * 2)(jnp.ones(3))
+  (v,) = closed.jaxpr.invars
+
+  class Fake:
+    name = "unregistered_call"
+    multiple_results = True
+
+  class Eqn:
+    primitive = Fake()
+    invars = [v]
+    params = {"fun": closed}
+
+  monkeypatch.setitem(_traverse._HIGHER_ORDER, "unregistered_call", False)
+  with pytest.raises(_traverse.UnknownPrimitiveError, match="unregistered_call"):
+    _traverse.regions(Eqn())
