@@ -99,7 +99,9 @@ def test_vector_measure_is_refused():
     ls.adjust(jnp.bool_(True), upper=jnp.zeros(3))
 
 
-@pytest.mark.parametrize("scale", [4.0, 2.0 ** 25, 2.0 ** 29])
+# The smallest scale runs the most float16 steps (about 18 s): the heavy tier.
+@pytest.mark.parametrize("scale", [pytest.param(4.0, marks=pytest.mark.slow),
+                                   2.0 ** 25, 2.0 ** 29])
 def test_the_upper_bin_is_the_float16_backward_pass(scale):
   """cotangent_upper: of every float16 cotangent (module outputs and
   parameter copies, zeros included), the share at or above 65504 / 16 or
@@ -135,6 +137,7 @@ def test_with_loss_scale_refuses_to_run_it_blind():
   assert float(jmp_lite.optax.get_loss_scale(state).loss_scale) == 2.0 ** 9
 
 
+@pytest.mark.slow  # about 10 s on 2 CPU cores: the heavy tier
 @pytest.mark.usefixtures("standard_promotion")
 def test_trains_with_a_scale_just_below_the_upper_bin():
   """From a scale of 1 on float16, the scale doubles every step while no

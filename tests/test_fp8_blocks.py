@@ -138,6 +138,7 @@ def test_on_a_grid_the_products_are_exact():
   np.testing.assert_array_equal(dw, (read(x.T, 1, E4M3) @ read(g, 0, E5M2)).astype(np.float32))
 
 
+@pytest.mark.slow  # about 12 s on 2 CPU cores: the heavy tier
 def test_residuals_are_fp8_and_a_scale_a_block():
   x = jnp.asarray(_values(6, (64, 96)), jnp.bfloat16)
   w = jnp.asarray(_values(7, (96, 32)), jnp.bfloat16)

@@ -322,6 +322,7 @@ def test_the_step_quantises_in_fp8_and_multiplies_fp8_arrays():
 # -------------------------------------------- 3. metadata beside the loss scale
 
 
+@pytest.mark.slow  # about 10 s on 2 CPU cores: the heavy tier
 def test_unscale_and_optimizer_leave_the_metadata_alone(standard_promotion):
   plain, scaled = _fresh("noop"), _fresh("dynamic")
   # The same run with the gradient scales starting where the loss scale puts
@@ -585,6 +586,7 @@ class NnxMLP(nnx.Module):
     return self.b(nnx.gelu(self.a(x)))
 
 
+@pytest.mark.slow  # about 10 s on 2 CPU cores: the heavy tier
 def test_nnx_sites_are_module_paths_and_match_linen_bitwise():
   model = NnxMLP(nnx.Rngs(0))
   params = _params(3)  # the Linen model's, copied in

@@ -290,6 +290,7 @@ def test_fp8_qdq_quantises_under_excess_precision(fmt):
   assert len(np.unique(np.asarray(got))) < 300  # quantised: few distinct values
 
 
+@pytest.mark.slow  # about 20 s on 2 CPU cores: the heavy tier
 def test_block_scaled_gradients_are_quantised_under_excess_precision():
   """The block path reads fp8 values back in float32 for its product; on an
   H200 the gradient's e5m2 rounding vanished there. Integers up to 12: e4m3

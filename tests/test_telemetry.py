@@ -225,6 +225,7 @@ def _primitive_counts(jaxpr, counts=None):
   return counts
 
 
+@pytest.mark.slow  # about 10 s on 2 CPU cores: the heavy tier
 def test_sampling_every_k_steps_in_one_compiled_step():
   state, infos, compilations = _train(EVERY3)
   assert compilations == 1
@@ -511,6 +512,7 @@ def test_bad_input_is_named():
     tap(jnp.ones(2), 3)
 
 
+@pytest.mark.slow  # about 15 s on 2 CPU cores: the heavy tier
 @pytest.mark.usefixtures("standard_promotion")  # the corpus model adds f32 to f16
 def test_nnx_scan_over_stacked_layers_reports_each_layer():
   # The corpus' NNX model (nnx.scan over nnx.vmap-stacked Linear, BatchNorm,

@@ -105,6 +105,7 @@ def _mlp():
   return MLP()
 
 
+@pytest.mark.slow  # about 19 s on 2 CPU cores: the heavy tier
 def test_the_measures_are_the_float16_backward_pass():
   # cotangent_underflow: the share of non-zero f16 cotangents (module
   # outputs and parameter copies) below float16's smallest normal;
@@ -154,6 +155,7 @@ def _f16_cotangents(model, params, x, scale):
   }
 
 
+@pytest.mark.slow  # about 13 s on 2 CPU cores: the heavy tier
 @pytest.mark.usefixtures("standard_promotion")
 def test_grows_where_dynamic_loss_scale_waits_and_skips_no_more():
   # Same model, batches and start: DynamicLossScale (period 200) never grows

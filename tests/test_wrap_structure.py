@@ -357,6 +357,7 @@ def test_nnx_scanned_remat_attention_backward_matmuls_are_half(policy):
 # float16 on CPU --------------------------------------------------------------
 
 
+@pytest.mark.slow  # about 12 s on 2 CPU cores: the heavy tier
 def test_nnx_attention_in_float16_compiles_on_cpu():
   """`jax.nn.dot_product_attention` asks f16 logits for ``F16_F16_F32``.
 
