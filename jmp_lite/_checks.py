@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any
 
 import jax
@@ -14,6 +13,7 @@ from jax import lax
 
 from jmp_lite import _elementwise
 from jmp_lite import _exact
+from jmp_lite import _internals
 from jmp_lite import _reduce
 from jmp_lite._dtypes import is_inexact
 
@@ -155,13 +155,8 @@ def inside_multisteps() -> bool:
   number of chains. (`multisteps_around` refuses the state itself, wherever
   it was built.)
   """
-  frame = sys._getframe(2)  # skips this function and our init
-  code = optax.MultiSteps.init.__code__
-  while frame is not None:
-    if frame.f_code is code:
-      return True
-    frame = frame.f_back
-  return False
+  # Above our init, which called this.
+  return _internals.called_from(optax.MultiSteps.init.__code__, skip=1)
 
 
 def multisteps_around(opt_state: Any, is_target) -> bool:

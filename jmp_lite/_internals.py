@@ -457,3 +457,36 @@ def all_primitives() -> dict[str, Any]:
       if isinstance(value, Primitive):
         found.setdefault(value.name, value)
   return found
+
+
+# --- Flax's and Python's private API ------------------------------------------
+
+
+def scope_init_args(scope) -> tuple[tuple, dict]:
+  """``(args, kwargs)`` of `flax.core.scope.Scope` for a scope that mirrors
+  ``scope``: the same variables, RNGs, name, mutability, parent, path, debug
+  path and flags. Relies on `Scope._variables`, which is what `Scope.rewound`
+  passes (flax/core/scope.py)."""
+  return ((scope._variables, scope.rngs, scope.name, scope.mutable,  # pylint: disable=protected-access
+           scope.parent),
+          dict(path=scope.path, debug_path=scope.debug_path, flags=scope.flags))
+
+
+def shallow_clone(module, **overrides):
+  """``module.clone(**overrides)`` that keeps the submodules passed to it as
+  attributes (a shared embedding) as they are, where their variables live.
+  Relies on `Module.clone`'s private ``_deep_clone`` argument
+  (flax/linen/module.py)."""
+  return module.clone(_deep_clone=False, **overrides)
+
+
+def called_from(code, skip: int) -> bool:
+  """Whether a frame running ``code`` (a function's ``__code__``) is on the
+  call stack above the caller's ``skip`` callers. Relies on
+  `sys._getframe` (CPython)."""
+  frame = sys._getframe(skip + 2)  # pylint: disable=protected-access
+  while frame is not None:
+    if frame.f_code is code:
+      return True
+    frame = frame.f_back
+  return False

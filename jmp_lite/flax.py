@@ -85,6 +85,7 @@ from flax import nnx
 from flax.core.scope import Scope
 
 from jmp_lite import _engine
+from jmp_lite import _internals
 from jmp_lite import _module_scales
 from jmp_lite import _probes
 from jmp_lite._flax_rules import Rules
@@ -111,9 +112,8 @@ class _PolicyScope(Scope):
   """
 
   def __init__(self, scope: Scope, policy: Policy, path: str = ""):
-    super().__init__(scope._variables, scope.rngs, scope.name, scope.mutable,  # pylint: disable=protected-access
-                     scope.parent, path=scope.path,
-                     debug_path=scope.debug_path, flags=scope.flags)
+    args, kwargs = _internals.scope_init_args(scope)
+    super().__init__(*args, **kwargs)
     self.rng_counters = scope.rng_counters
     self.jmp_policy = policy
     self.jmp_path = path
@@ -205,8 +205,8 @@ class _LinenInterceptor:
       else:
         # Not a deep clone: a submodule passed in as an attribute (a shared
         # embedding, nn.RNN's cell) stays the model's, where its variables are.
-        clone = module.clone(parent=_PolicyScope(module.scope, policy, path),
-                             _deep_clone=False, **self.dtypes(module, policy))
+        clone = _internals.shallow_clone(module, parent=_PolicyScope(module.scope, policy, path),
+                                         **self.dtypes(module, policy))
         run = getattr(clone, context.method_name)
         if _lifted(method, context):
           run = functools.partial(nn.module.wrap_method_once(context.orig_method.func), clone)
