@@ -311,7 +311,8 @@ def run(eqn, invals, body: Callable, state: Any, *, combine: Callable = None,
 
   Returns ``(the equation's outputs, out)``.
   """
-  regions = [r for r in _TABLE[eqn.primitive.name](eqn) if r.kind != "while_cond"]
+  every = _TABLE[eqn.primitive.name](eqn)
+  regions = [r for r in every if r.kind != "while_cond"]
   kind = regions[0].kind
   p = eqn.params
   invals = list(invals)
@@ -348,7 +349,7 @@ def run(eqn, invals, body: Callable, state: Any, *, combine: Callable = None,
                                invals[1:], state)
     return list(outs), out
   if kind == "while":
-    cond, (r,) = _TABLE["while"](eqn)[0], regions
+    cond, (r,) = every[0], regions
     cond_consts = [invals[i] for i, c in zip(cond.inputs, cond.carried) if not c]
     body_consts = [invals[i] for i, c in zip(r.inputs, r.carried) if not c]
     init = [invals[i] for i, c in zip(r.inputs, r.carried) if c]

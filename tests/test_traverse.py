@@ -195,12 +195,10 @@ def test_run_evaluates_as_jax_does_and_threads_the_pass_state(name):
 
   def eval_eqn(eqn, invals):
     want = _internals.bind(eqn, invals)
-    if not _traverse.regions(eqn) or eqn.primitive.name not in _traverse.KNOWN:
-      return want
-    kind = [r for r in _traverse.regions(eqn) if r.kind != "while_cond"][0].kind
+    entered = [r for r in _traverse.regions(eqn) if r.kind != "while_cond"]
+    kind = entered[0].kind if entered else None
     if kind not in _traverse.RUNS:
       return want
-    entered = [r for r in _traverse.regions(eqn) if r.kind != "while_cond"]
 
     def body(r, args, st):
       outs = _internals.eval_jaxpr(entered[r].jaxpr, entered[r].consts, args,
