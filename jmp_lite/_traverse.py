@@ -185,7 +185,6 @@ _TABLE: dict[str, Callable[[Any], list[Region]]] = {
     "closed_call": _simple("call", None, "call_jaxpr"),
     "core_call": _simple("call", None, "call_jaxpr"),
     "remat2": _simple("checkpoint", "checkpoint", "jaxpr"),
-    "checkpoint": _simple("checkpoint", "checkpoint", "jaxpr"),
     "scan": _scan,
     "while": _while,
     "cond": _cond,
