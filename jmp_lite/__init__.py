@@ -41,8 +41,8 @@ _LAZY_NAMES = {
     "UnderflowAwareLossScale": "underflow",
     "ModuleLossScale": "module_scale",
     "AutomaticLossScale": "underflow",
-    "UncoveredMatmulError": "_engine",
-    "UncoveredMatmulWarning": "_engine",
+    "UncoveredMatmulError": "_jaxpr.passes.engine",
+    "UncoveredMatmulWarning": "_jaxpr.passes.engine",
     "value_and_grad": "training",
 }
 

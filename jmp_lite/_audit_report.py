@@ -11,16 +11,9 @@ from typing import Any, Optional, Union
 import jax
 import numpy as np
 
+from jmp_lite._jaxpr.passes.audit import FLAGS
 from jmp_lite.policy import Policy, dtype_name, parse_dtype
 
-HALF_MATMUL = "half_matmul"
-HALF_REDUCTION = "half_reduction"
-HALF_EXP_LOG = "half_exp_log"
-F32_MATMUL = "f32_matmul"
-HALF_ALL_REDUCE = "half_all_reduce"
-CONVERT_ROUND_TRIP = "convert_round_trip"
-FLAGS = (HALF_MATMUL, HALF_REDUCTION, HALF_EXP_LOG, F32_MATMUL, HALF_ALL_REDUCE,
-         CONVERT_ROUND_TRIP)
 
 DTypeLike = Any
 

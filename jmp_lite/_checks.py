@@ -11,11 +11,11 @@ import numpy as np
 import optax
 from jax import lax
 
+from jmp_lite._dtypes import is_inexact
 from jmp_lite import _elementwise
 from jmp_lite import _exact
-from jmp_lite import _internals
+from jmp_lite._jaxpr import internals as _internals
 from jmp_lite import _reduce
-from jmp_lite._dtypes import is_inexact
 
 
 def grads_match_params(grads: Any, params: Any) -> None:

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmp_lite import _fp8_sites
-from jmp_lite import _probes
 from jmp_lite._dtypes import is_narrow_float
+from jmp_lite._jaxpr import fp8_sites as _fp8_sites
+from jmp_lite._jaxpr import probes as _probes
 from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
 

@@ -2,7 +2,7 @@
 
 Typed pytrees (`jmp_lite._struct`), documented and re-exported by
 `jmp_lite.fp8`. They live here, below the passes that read and write them
-(`jmp_lite._instrument`, `jmp_lite._fp8_checkpoint`, `jmp_lite.optax`), so
+(`jmp_lite._jaxpr.passes.instrument`, `jmp_lite._fp8_checkpoint`, `jmp_lite.optax`), so
 that none of those imports the public module that imports them.
 """
 
@@ -14,9 +14,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jmp_lite import _struct
-from jmp_lite._fp8_numerics import DelayedScaling
 from jmp_lite._fp8_numerics import _update_all
+from jmp_lite._fp8_numerics import DelayedScaling
+from jmp_lite import _struct
 
 
 # The layout of `Fp8State` in a checkpoint; `jmp_lite.fp8.restore` migrates

@@ -17,15 +17,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jmp_lite import _engine
-from jmp_lite import _probes
-from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import dtype_overrides
+from jmp_lite._flax_rules import fp8_scope
 from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
-from jmp_lite._flax_rules import fp8_scope
 from jmp_lite._flax_rules import path_str
+from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import tap_and_cast
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr.passes import engine as _engine
+from jmp_lite._jaxpr import probes as _probes
 from jmp_lite.policy import Policy
 
 @functools.cache
@@ -108,7 +109,7 @@ class NnxWrapper(nnx.Module):
     else:
       run = _nnx_run_as_written
     if fp8 is not None:
-      from jmp_lite import _instrument  # pylint: disable=g-import-not-at-top
+      from jmp_lite._jaxpr.passes import instrument as _instrument  # pylint: disable=g-import-not-at-top
       out, updates = _instrument.forward(run, fp8, self.rules, graphdef, state,
                                          *args, **kwargs)
     else:
@@ -153,15 +154,15 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
     elif isinstance(node, nnx.Module):
       policy = policies[tuple(path)]
       if not rules.module_dtypes:
-        for field, dtype in dtype_overrides(node, policy, vars(node)).items():
-          object.__setattr__(node, field, dtype)
-      object.__setattr__(node, "_jmp_lite_policy", policy)
-      object.__setattr__(node, "_jmp_lite_stack", stack)
-      object.__setattr__(node, "_jmp_lite_path", path_str(path))
-      object.__setattr__(node, "_jmp_lite_fp8_scope", functools.partial(
-          fp8_scope, rules, policy, path_str(path)))
+        _internals.set_attributes(
+            node, **dtype_overrides(node, policy, vars(node)))
+      _internals.set_attributes(
+          node, _jmp_lite_policy=policy, _jmp_lite_stack=stack,
+          _jmp_lite_path=path_str(path),
+          _jmp_lite_fp8_scope=functools.partial(
+              fp8_scope, rules, policy, path_str(path)))
       if type(node).__call__ is not nnx.Module.__call__:
-        object.__setattr__(node, "__class__", _casting_class(type(node)))
+        _internals.swap_class(node, _casting_class(type(node)))
   out = copy(*args, **kwargs)
   return out, nnx.state(copy, nnx.Not(nnx.Param))
 

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from jmp_lite import _dtypes
-from jmp_lite import _engine
-from jmp_lite import _instrument
-from jmp_lite import _module_scales
+from jmp_lite._jaxpr import module_scales as _module_scales
+from jmp_lite._jaxpr.passes import engine as _engine
+from jmp_lite._jaxpr.passes import instrument as _instrument
 from jmp_lite import _replicas
 from jmp_lite import _stats
 from jmp_lite import autocasting
@@ -81,7 +81,7 @@ def module_scaled_value_and_grad(fun, argnums, has_aux, policy, allow_int=False)
   """``f(loss_scale, *args)`` returning ``(value, grads, measured)`` for a
   `jmp_lite.ModuleLossScale`: the gradients of ``loss_scale.scale(loss)``
   with each scaled module's backward pass at its own scale, and what the
-  modules measured (``[len(paths), 2, WIDTH]``, `jmp_lite._module_scales`),
+  modules measured (``[len(paths), 2, WIDTH]``, `jmp_lite._jaxpr.module_scales`),
   in the same pass: the gradient with respect to the carriers."""
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
   scaled = _scaled_fun(fun, nums, has_aux, policy)
@@ -101,7 +101,7 @@ def module_scaled_value_and_grad(fun, argnums, has_aux, policy, allow_int=False)
     axes = _replicas.manual_axes()
     if axes and _replicas.tracks_varying(axes):
       # Under shard_map: per-device measurements, which the caller sums over
-      # its axis (as telemetry's carrier, `jmp_lite._instrument`).
+      # its axis (as telemetry's carrier, `jmp_lite._jaxpr.passes.instrument`).
       carriers = tuple(jax.lax.pcast(c, axes, to="varying") for c in carriers)
     (_, (loss, aux)), grads = vg(carriers, loss_scale, *args, **kwargs)
     measured = (jnp.stack(grads[0]) if grads[0] else
@@ -117,7 +117,7 @@ def scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry=None,
                            axis_name=None, fp8=None, allow_int=False):
   """``f(loss_scale, *args)`` returning ``(value, grads of loss_scale.scale(loss))``.
 
-  With ``telemetry`` or ``fp8`` (a `jmp_lite._plan.Fp8Selection`),
+  With ``telemetry`` or ``fp8`` (a `jmp_lite._jaxpr.passes.plan.Fp8Selection`),
   ``f(step, fp8_state, loss_scale, *args)`` returning ``(value, grads,
   stats, amax)``: ``stats`` a `jmp_lite.telemetry.PrecisionStats` of the
   same pass on the steps ``telemetry`` samples (reduced over ``axis_name``

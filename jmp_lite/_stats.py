@@ -1,6 +1,6 @@
-"""Telemetry's statistics from the rows `jmp_lite._instrument` decodes.
+"""Telemetry's statistics from the rows `jmp_lite._jaxpr.passes.instrument` decodes.
 
-Each probe's row holds forward then backward statistics (`jmp_lite._probes`):
+Each probe's row holds forward then backward statistics (`jmp_lite._jaxpr.probes`):
 maxima and counts, merged per path, reduced across devices and read into
 `jmp_lite.telemetry.PrecisionStats`.
 """
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _dtypes
-from jmp_lite import _probes
+from jmp_lite._jaxpr import probes as _probes
 from jmp_lite import _replicas
 from jmp_lite import telemetry as telemetry_lib
 

@@ -102,14 +102,14 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jmp_lite import _accumulate
-from jmp_lite import _autocast_eval
-from jmp_lite import _engine
+from jmp_lite._jaxpr import accumulate as _accumulate
+from jmp_lite._jaxpr.passes import autocast as _autocast
+from jmp_lite._jaxpr.passes import engine as _engine
 from jmp_lite.oplists import DEFAULT_BLACK_LIST
 from jmp_lite.oplists import DEFAULT_WHITE_LIST
 from jmp_lite.oplists import MIN_REDUCTION_SIZE
-from jmp_lite.oplists import PrimitiveLike
 from jmp_lite.oplists import primitive_name
+from jmp_lite.oplists import PrimitiveLike
 from jmp_lite.policy import Policy, get_policy
 
 __all__ = ("autocast", "primitive_name", "DEFAULT_WHITE_LIST",
@@ -236,8 +236,8 @@ def autocast(fun: Callable[..., Any],
       return out
 
     closed = jax.make_jaxpr(flat_fun)(*flat)
-    outs = _autocast_eval.eval_jaxpr(closed.jaxpr, closed.consts, flat, rules)
-    outs = [_autocast_eval.cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals)]
+    outs = _autocast.eval_jaxpr(closed.jaxpr, closed.consts, flat, rules)
+    outs = [_autocast.cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals)]
     return jax.tree_util.tree_unflatten(out_trees[-1], outs)
 
   # The engine traces the interpreted function once per argument structure

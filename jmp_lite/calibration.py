@@ -21,7 +21,7 @@ over all its iterations; a branch not taken reports zeros). Inside a
 backward pass) the forward values are measured and the cotangents are those
 of their outputs. ``shard_map`` and ``pmap`` bodies, whose shapes are a
 device's, are measured at their outputs. Which bodies are entered is
-`jmp_lite._traverse`'s table, shared with the other passes. A value computed only from the batch or from
+`jmp_lite._jaxpr.traverse`'s table, shared with the other passes. A value computed only from the batch or from
 ``stop_gradient`` outputs (a frozen teacher) is measured on the forward
 pass, and its cotangent is zero, as no gradient reaches it in training. A
 value at its dtype's largest magnitude (the ``jnp.finfo(dtype).min``
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _calibrate_eval
+from jmp_lite._jaxpr.passes import calibrate as _calibrate
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite.policy import Policy, get_policy
 
@@ -217,11 +217,11 @@ def calibrate(
   # rule's body: measured, not differentiated.)
   flat_in = jax.tree_util.tree_leaves((params, arrays))
   n_params = len(jax.tree_util.tree_leaves(params))
-  points = _calibrate_eval.points(jaxpr, dead=[False] * n_params + [True] * (len(flat_in) - n_params))
+  points = _calibrate.points(jaxpr, dead=[False] * n_params + [True] * (len(flat_in) - n_params))
   zeros = [jnp.zeros(shape, dtype) if live else None for _, shape, dtype, _, live in points]
 
   def run(perturb, diff_in, rest_in):
-    out, seen = _calibrate_eval.evaluate(jaxpr, closed.consts, [*diff_in, *rest_in], (),
+    out, seen = _calibrate.evaluate(jaxpr, closed.consts, [*diff_in, *rest_in], (),
                           {k: z for (k, *_), z in zip(points, perturb)})
     values = [seen[k] for k, *_ in points]
     return out[0].astype(jnp.float32), values

@@ -47,14 +47,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _hlo
-from jmp_lite import _provenance
-from jmp_lite import _replicas
-from jmp_lite._hlo import Collective
-from jmp_lite.loss_scale import _check_axis_name
 from jmp_lite._dtypes import is_floating
 from jmp_lite._dtypes import is_low_bit_float
 from jmp_lite._dtypes import wide_dtype
+from jmp_lite import _hlo
+from jmp_lite._hlo import Collective
+from jmp_lite._jaxpr.passes import provenance as _provenance
+from jmp_lite import _replicas
+from jmp_lite.loss_scale import _check_axis_name
 from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
 

@@ -84,18 +84,18 @@ import jax
 from flax import nnx
 from flax.core.scope import Scope
 
-from jmp_lite import _engine
-from jmp_lite import _internals
-from jmp_lite import _module_scales
-from jmp_lite import _probes
-from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import default_rules
 from jmp_lite._flax_rules import dtype_overrides
 from jmp_lite._flax_rules import fp8_scope
 from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
-from jmp_lite._flax_rules import tap_and_cast
 from jmp_lite._flax_rules import path_str
+from jmp_lite._flax_rules import Rules
+from jmp_lite._flax_rules import tap_and_cast
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr import module_scales as _module_scales
+from jmp_lite._jaxpr.passes import engine as _engine
+from jmp_lite._jaxpr import probes as _probes
 from jmp_lite._nnx import NnxWrapper
 from jmp_lite.policy import Policy
 
@@ -261,7 +261,7 @@ class _LinenWrapper(nn.Module):
     `jmp_lite.fp8.Fp8State` from training, whose scales the fp8 matmuls then
     run with (inference; `jmp_lite.fp8.forward`)."""
     if fp8 is not None:
-      from jmp_lite import _instrument  # pylint: disable=g-import-not-at-top
+      from jmp_lite._jaxpr.passes import instrument as _instrument  # pylint: disable=g-import-not-at-top
       return _instrument.forward(lambda v, *a, **k: self._run("apply", v, *a, **k),
                                  fp8, variables, *args, **kwargs)
     return self._run("apply", variables, *args, **kwargs)

@@ -14,7 +14,7 @@ fp8 training: a policy with ``fp8="hybrid"`` (``"p=f32,c=bf16,o=f32,fp8=hybrid"`
 puts the matmuls of the modules it governs under `jmp_lite.flax.wrap` in fp8
 (``select=`` picks plain-JAX matmuls by name scope). Each becomes a
 ``dot_general`` of fp8 arrays accumulating in float32, forward and backward
-(`jmp_lite._fp8_sites`). `init` traces the step and gives each such matmul a
+(`jmp_lite._jaxpr.fp8_sites`). `init` traces the step and gives each such matmul a
 `MatmulMeta` in one `Fp8State`, which lives beside the loss scale
 (`jmp_lite.TrainState.create` ``fp8=``) and is updated by the step from the
 maxima measured in the same pass. `forward` (and ``fp8=`` of a wrapped
@@ -30,19 +30,19 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from jmp_lite import _fp8_checkpoint
-from jmp_lite import _instrument
-from jmp_lite import _plan
-from jmp_lite import _scaled_grad
-from jmp_lite._fp8_numerics import FORMATS
 from jmp_lite._fp8_numerics import DelayedScaling
 from jmp_lite._fp8_numerics import dequantize
+from jmp_lite._fp8_numerics import FORMATS
 from jmp_lite._fp8_numerics import qdq
 from jmp_lite._fp8_numerics import quantize
 from jmp_lite._fp8_numerics import quantize_by
 from jmp_lite._fp8_numerics import reciprocal
-from jmp_lite._fp8_state import SCHEMA_VERSION
 from jmp_lite._fp8_state import Fp8State
 from jmp_lite._fp8_state import MatmulMeta
+from jmp_lite._fp8_state import SCHEMA_VERSION
+from jmp_lite._jaxpr.passes import instrument as _instrument
+from jmp_lite._jaxpr.passes import plan as _plan
+from jmp_lite import _scaled_grad
 from jmp_lite.policy import FP8_RECIPES
 
 __all__ = ("DelayedScaling", "FORMATS", "Fp8State", "MatmulMeta", "SCHEMA_VERSION",

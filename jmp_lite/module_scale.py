@@ -9,7 +9,7 @@ of its own, computed from the statistics of its gradients. `ModuleLossScale`
 does this for the modules of a model wrapped by `jmp_lite.flax.wrap`
 (Linen): each chosen module's backward pass runs at its own scale, its
 weight gradients come back at the global one, and the guard still decides
-for the whole step (see `jmp_lite._module_scales` for the mechanism).
+for the whole step (see `jmp_lite._jaxpr.module_scales` for the mechanism).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _exact
-from jmp_lite import _module_scales as ms
+from jmp_lite._jaxpr import module_scales as ms
 from jmp_lite import _struct
 from jmp_lite import loss_scale as ls_lib
 

@@ -30,11 +30,6 @@ DEFAULT_BLACK_LIST: frozenset[str] = frozenset({
 
 MIN_REDUCTION_SIZE = 16
 
-# Black-listed ops that are reductions: float32 only when large.
-# (max and min are exact in any dtype: black-listed, they run in float32 at any
-# size, so that the softmax `x - max(x)` is computed in float32.)
-REDUCE_AXES = frozenset({"reduce_sum", "reduce_prod"})
-CUMULATIVE = frozenset({"cumsum", "cumprod", "cumlogsumexp"})
 # lax wrappers whose name is not their primitive's.
 _LAX_ALIASES = {
     "conv": "conv_general_dilated",

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._dtypes import is_low_bit_float
+from jmp_lite._fp8_numerics import RECIPES as FP8_RECIPES
 
 __all__ = (
     "Policy",
@@ -305,8 +306,6 @@ def parse_dtype(value: str) -> np.dtype:
 
 _AMBIGUOUS = ("float",)
 
-# fp8 recipes: the formats of a matmul's operands and of its gradient.
-FP8_RECIPES = {"hybrid": ("e4m3", "e5m2"), "e4m3": ("e4m3", "e4m3")}
 
 _KEYS = {
     "p": "param_dtype", "params": "param_dtype", "param": "param_dtype",

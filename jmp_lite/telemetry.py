@@ -14,7 +14,7 @@ cotangents are the scaled ones, as the backward pass holds them.
 
 It is measured in the compiled step itself, with no host callback, by probes
 whose statistics come back as the gradient of a small carrier vector
-(`jmp_lite._probes`): inside ``nn.scan`` each layer of the stack gets its own
+(`jmp_lite._jaxpr.probes`): inside ``nn.scan`` each layer of the stack gets its own
 row, inside ``remat``/``checkpoint`` and ``cond`` too. Under ``shard_map`` with
 an ``axis_name`` the statistics are reduced across it (maxima by ``pmax``,
 counts by ``psum``); under ``jit`` with sharded arrays they are global.
@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _probes
+from jmp_lite._jaxpr import probes as _probes
 from jmp_lite import _struct
 from jmp_lite.policy import dtype_to_names
 from jmp_lite.policy import parse_dtype

@@ -21,15 +21,15 @@ import jax.numpy as jnp
 import optax
 
 from jmp_lite import _guard_state
-from jmp_lite import _plan
+from jmp_lite._jaxpr.passes import plan as _plan
 from jmp_lite import _replicas
 from jmp_lite import _scaled_grad
 from jmp_lite import distributed
+from jmp_lite.fp8 import Fp8State
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
-from jmp_lite import telemetry as telemetry_lib
-from jmp_lite.fp8 import Fp8State
 from jmp_lite.policy import Policy, get_policy
+from jmp_lite import telemetry as telemetry_lib
 
 __all__ = (
     "value_and_grad",

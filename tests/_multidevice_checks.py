@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jmp_lite
-from jmp_lite import _provenance
+from jmp_lite._jaxpr.passes import provenance as _provenance
 from jmp_lite import distributed
 from jmp_lite import optax as jo
 from jmp_lite.testing import inject_nonfinite
@@ -715,7 +715,7 @@ def test_hlo_jit_sharded_gradient_all_reduce_is_in_reduce_dtype(reduce_dtype):
   # Under plain jit the partitioner all-reduces each gradient's partial sums in
   # the dtype of the op that makes them: value_and_grad(policy=...) runs the
   # engine, whose weight-gradient dots emit reduce_dtype partial sums and
-  # whose bias broadcast sums in float32 (see jmp_lite._sink).
+  # whose bias broadcast sums in float32 (see jmp_lite._jaxpr.passes.sink).
   policy = jmp_lite.Policy(jnp.float32, jnp.bfloat16, jnp.float32,
                            reduce_dtype=reduce_dtype)
   grad, args = _jit_sharded_gradient(policy)
@@ -924,7 +924,7 @@ def test_module_loss_scale_under_shard_map_sums_what_the_devices_measured():
   # the gradients are averaged).
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jmp_lite.flax  # pylint: disable=g-import-not-at-top
-  from jmp_lite import _module_scales as ms  # pylint: disable=g-import-not-at-top
+  from jmp_lite._jaxpr import module_scales as ms  # pylint: disable=g-import-not-at-top
 
   class Model(nn.Module):
     @nn.compact

@@ -17,7 +17,7 @@ choice XLA:GPU makes within the license.
 
 ``jax.make_jaxpr``, the equations of the jaxpr it returns
 (``eqn.primitive.bind``, ``eqn.params``) and the library's evaluator of them
-(`jmp_lite._internals.eval_jaxpr`).
+(`jmp_lite._jaxpr.internals.eval_jaxpr`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _internals
+from jmp_lite._jaxpr import internals as _internals
 
 # XLA:GPU's SimplifyFPConversions folds convert chains of any float types:
 # an fp8 round trip read back in float32 vanished on an H200 too.

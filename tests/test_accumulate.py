@@ -1,4 +1,4 @@
-"""Tests of the engine's float32-accumulating primitives (jmp_lite/_accumulate.py).
+"""Tests of the engine's float32-accumulating primitives (jmp_lite/_jaxpr/accumulate.py).
 
 Oracles: ``lax.dot_general``/``lax.conv_general_dilated`` in float32 at
 HIGHEST precision, JAX's own ``jax.vjp`` of them, and the StableHLO that
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmp_lite import _accumulate
+from jmp_lite._jaxpr import accumulate as _accumulate
 from jmp_lite.auditing import audit
 
 

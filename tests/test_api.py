@@ -215,40 +215,6 @@ def test_the_api_reference_documents_every_public_module_and_name():
   assert set(jmp_lite.__all__) - {"__version__"} <= names
 
 
-def _imports_of(path: pathlib.Path) -> set:
-  """The jmp_lite modules ``path`` imports, anywhere in it (functions included)."""
-  import ast
-  found = set()
-  for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jmp_lite"):
-      found |= ({a.name for a in node.names} if node.module == "jmp_lite"
-                else {node.module.split(".")[1]})
-    elif isinstance(node, ast.Import):
-      found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("jmp_lite.")}
-  return found
-
-
-def test_no_module_imports_itself_back():
-  """No import cycle between the package's modules, counting imports inside
-  functions (a cycle hidden in a function is a cycle all the same)."""
-  root = pathlib.Path(jmp_lite.__file__).parent
-  modules = {p.stem: p for p in root.glob("*.py") if p.stem != "__init__"}
-  graph = {m: {d for d in _imports_of(p) if d in modules and d != m}
-           for m, p in modules.items()}
-
-  def reaches(start):
-    seen, todo = set(), list(graph[start])
-    while todo:
-      m = todo.pop()
-      if m not in seen:
-        seen.add(m)
-        todo.extend(graph[m])
-    return seen
-
-  cycles = sorted(m for m in graph if m in reaches(m))
-  assert not cycles, f"modules on an import cycle: {cycles}"
-
-
 def test_the_annotations_of_public_classes_resolve():
   """Every annotation a public jmp_lite class writes names something its
   module defines (what ``typing.get_type_hints`` and dataclass tools read).

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from excess_precision import excess_precision
-from jmp_lite import _fp8_sites
 from jmp_lite._fp8_numerics import site_carrier
+from jmp_lite._jaxpr import fp8_sites as _fp8_sites
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 MATMUL = (((1,), (0,)), ((), ()))  # [M, K] x [K, N]

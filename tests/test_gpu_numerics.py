@@ -295,7 +295,7 @@ def test_block_scaled_gradients_are_quantised_under_excess_precision():
   """The block path reads fp8 values back in float32 for its product; on an
   H200 the gradient's e5m2 rounding vanished there. Integers up to 12: e4m3
   holds them all, e5m2 rounds 9, 11 (and 10 * 2**-k...) to 3 bits."""
-  from jmp_lite import _fp8_sites  # pylint: disable=g-import-not-at-top
+  from jmp_lite._jaxpr import fp8_sites as _fp8_sites  # pylint: disable=g-import-not-at-top
   from jmp_lite._fp8_numerics import site_carrier  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(4)
   x = jnp.asarray(rng.integers(-12, 13, (32, 64)), jnp.float32)
@@ -363,7 +363,7 @@ def test_wrapped_init_runs_equation_by_equation_as_the_models_does(policy):
   interprets every equation itself and still compiles its init whole: its
   equation-by-equation evaluation is not the model's, even on the CPU.)"""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from jmp_lite import _engine  # pylint: disable=g-import-not-at-top
+  from jmp_lite._jaxpr.passes import engine as _engine  # pylint: disable=g-import-not-at-top
 
   class MLP(nn.Module):
     @nn.compact

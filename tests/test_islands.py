@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import jmp_lite.flax
-from jmp_lite import _engine
-from jmp_lite import _islands
+from jmp_lite._jaxpr.passes import engine as _engine
+from jmp_lite._jaxpr.passes import islands as _islands
 
 BF16 = "p=f32,c=bf16,o=f32"
 B, T, D = 4, 16, 32

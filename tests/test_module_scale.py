@@ -16,7 +16,7 @@ import pytest
 
 import jmp_lite
 import jmp_lite.flax
-from jmp_lite import _module_scales as ms
+from jmp_lite._jaxpr import module_scales as ms
 from jmp_lite import _scaled_grad
 from jmp_lite.testing import count_compilations
 

@@ -1,4 +1,4 @@
-"""`jmp_lite._traverse`: how every pass enters higher-order primitives.
+"""`jmp_lite._jaxpr.traverse`: how every pass enters higher-order primitives.
 
 The oracle is JAX's own evaluation: for each primitive in the table, a
 traced program using it is run equation by equation, and each region's
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jmp_lite import _internals
-from jmp_lite import _traverse
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr import traverse as _traverse
 
 
 @jax.custom_jvp
@@ -161,7 +161,7 @@ def test_an_unknown_higher_order_primitive_is_an_error_or_a_warning(monkeypatch)
 def test_the_table_knows_the_installed_jaxs_higher_order_primitives():
   """Every primitive the installed JAX gives higher-order rules is in the
   table or in the inventory of those that only transient traces hold
-  (`jmp_lite._internals.KNOWN_HIGHER_ORDER`, checked against JAX by
+  (`jmp_lite._jaxpr.internals.KNOWN_HIGHER_ORDER`, checked against JAX by
   test_internals); a new one fails here until someone decides."""
   transient = _internals.KNOWN_HIGHER_ORDER - _traverse.KNOWN
   assert transient <= {"custom_lin", "linear_call", "custom_transpose_call",

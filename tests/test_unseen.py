@@ -2,7 +2,7 @@
 
 fp8 matmuls and telemetry marks inside a ``custom_vjp`` body run as written:
 the body is not what the rule differentiates, so nothing carries their
-maxima or statistics back. `jmp_lite._unseen` warns with
+maxima or statistics back. `jmp_lite._jaxpr.passes.unseen` warns with
 `jmp_lite.UncoveredMatmulWarning`, as the engine does for matmuls it cannot
 cover. Oracle: the same module without the custom rule gets its matmul as an
 fp8 site (`jmp_lite.fp8.init`) and no warning. (``while`` loops are entered:

@@ -1,7 +1,7 @@
 """Gradient sums in float32 under a narrow compute dtype, and reading collectives.
 
 The engine moves a parameter's downcast past the broadcasts, gathers and
-reshapes that read it (`jmp_lite._sink`), so the sums their transposes make
+reshapes that read it (`jmp_lite._jaxpr.passes.sink`), so the sums their transposes make
 (a bias's over the batch, an embedding's scatter-add) run in float32. The
 oracle for the forward pass is the model run as written (bitwise); for the
 backward pass, the float32 gradient, which the moved sums must match at
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jmp_lite
-from jmp_lite import _engine
 from jmp_lite import _hlo
+from jmp_lite._jaxpr.passes import engine as _engine
 from jmp_lite.testing import assert_trees_bitwise_equal
 from jaxprs import equations
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _dtypes
-from jmp_lite import _internals
+from jmp_lite._jaxpr import internals as _internals
 
 F32 = np.dtype(np.float32)
 

@@ -2,7 +2,7 @@
 perturbed (`jmp_lite.calibration`).
 
 `points` lists the floating values of a jaxpr and of the bodies it enters
-(which bodies: `jmp_lite._traverse`'s table); `evaluate` runs the jaxpr with
+(which bodies: `jmp_lite._jaxpr.traverse`'s table); `evaluate` runs the jaxpr with
 a perturbation added to each live value (differentiating with respect to
 it gives the value's cotangent) and returns each value's largest
 magnitude.
@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from jmp_lite import _dtypes
-from jmp_lite import _internals
-from jmp_lite import _plan
-from jmp_lite import _traverse
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr.passes import plan as _plan
+from jmp_lite._jaxpr import traverse as _traverse
 
 
 def _scope(eqn, outer: str = "") -> str:
@@ -27,7 +27,7 @@ def _scope(eqn, outer: str = "") -> str:
 
 
 def _regions(eqn) -> list:
-  """The bodies of ``eqn`` calibrate enters (`jmp_lite._traverse`): every
+  """The bodies of ``eqn`` calibrate enters (`jmp_lite._jaxpr.traverse`): every
   one but per-device bodies (``shard_map``, ``pmap``: their shapes are a
   device's, measured at their outputs) and a while loop's condition."""
   return [r for r in _traverse.regions_or_warn(eqn, "calibrate")
@@ -132,7 +132,7 @@ def _largest(x) -> jax.Array:
 
 
 def _bodies(eqn, regions, invals, key, perturb):
-  """An equation with bodies (`jmp_lite._traverse.run`), each evaluated by
+  """An equation with bodies (`jmp_lite._jaxpr.traverse.run`), each evaluated by
   `evaluate` with the perturbations of its points: a scan's are scanned
   over with ``xs``, a while loop's are none (it is never differentiated).
   Every body reports every point of them all (zeros for a branch not

@@ -26,7 +26,7 @@ the cotangent's range: a weight gradient computed in float16 inside the
 module lies in float16's range *at the module's scale*. What stays at the
 caller's scale is what crosses module boundaries.
 
-The conversions also measure (the carrier trick of `jmp_lite._probes`: a
+The conversions also measure (the carrier trick of `jmp_lite._jaxpr.probes`: a
 float32 input whose cotangent the backward pass fills): per module, one row
 for what enters it from outside (its outputs' cotangents before conversion,
 and the non-finite count of what a chained module sends back) and one for
@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite import _exact
 from jmp_lite._dtypes import is_floating
+from jmp_lite import _exact
 
 # Binades 2^LOW .. 2^(LOW + BINS - 1) (bin i holds LOW + i <= log2|x| < LOW +
 # i + 1); larger and smaller maxima are clipped into the end bins.

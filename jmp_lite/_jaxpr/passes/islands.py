@@ -29,7 +29,7 @@ import jax.extend as jex
 import numpy as np
 
 from jmp_lite import _dtypes
-from jmp_lite import _internals
+from jmp_lite._jaxpr import internals as _internals
 
 # Linear first-order primitives: autodiff keeps nothing of them.
 _LINEAR = frozenset({

@@ -1,11 +1,11 @@
 """Where the instrumented step's probes and fp8 sites go: plans over a jaxpr.
 
-`jmp_lite._instrument` traces a function once and asks `Planner` which
+`jmp_lite._jaxpr.passes.instrument` traces a function once and asks `Planner` which
 values are probed (telemetry) and which matmuls are fp8 sites, and where
 each one's slice of the flat float32 carrier lives. A `Plan` per jaxpr
 maps equation indices to `Point`s (a probe or a site) and to `Nested`
 plans (the bodies of calls such as ``jit``, and of ``remat``, ``scan``,
-``cond`` and ``while`` equations, as `jmp_lite._traverse` gives them, each
+``cond`` and ``while`` equations, as `jmp_lite._jaxpr.traverse` gives them, each
 with its own region of the carrier). `decode` reads a
 vector laid out by a plan back per point; `forward_slots` says which slots
 the forward pass fills and which hold maxima; `sites` names the fp8 sites.
@@ -21,14 +21,14 @@ import jax
 import numpy as np
 
 from jmp_lite import _dtypes
-from jmp_lite import _fp8_sites
-from jmp_lite import _internals
-from jmp_lite import _probes
-from jmp_lite import _traverse
-from jmp_lite import _unseen
-from jmp_lite import policy as policy_lib
+from jmp_lite import _fp8_numerics
+from jmp_lite._jaxpr import fp8_sites as _fp8_sites
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr.passes import unseen as _unseen
+from jmp_lite._jaxpr import probes as _probes
+from jmp_lite._jaxpr import traverse as _traverse
 
-# The bodies telemetry and fp8 enter, by `jmp_lite._traverse` kind. The rest
+# The bodies telemetry and fp8 enter, by `jmp_lite._jaxpr.traverse` kind. The rest
 # (a while loop's condition, custom rules' bodies, shard_map's, an unknown
 # primitive's) run as written, and `_unseen` warns where that hides fp8
 # matmuls or telemetry marks.
@@ -74,7 +74,7 @@ class Point:
 @dataclasses.dataclass
 class Nested:
   offset: int
-  kind: str  # the `jmp_lite._traverse.Region` kind of its bodies
+  kind: str  # the `jmp_lite._jaxpr.traverse.Region` kind of its bodies
   children: list["Plan"]
   length: int = 1  # scan iterations
   regions: list = dataclasses.field(default_factory=list)  # one per child
@@ -249,13 +249,13 @@ class Fp8Selection:
     if self.select is not None:
       if re.fullmatch(self.select, path) is None:
         return None, ""
-      return policy_lib.FP8_RECIPES[self.recipe], path
+      return _fp8_numerics.RECIPES[self.recipe], path
     if not marks:
       return None, ""
     recipe, _, module = marks[-1][len(_fp8_sites.MARK) + 1:].partition("@")
-    if recipe not in policy_lib.FP8_RECIPES:
+    if recipe not in _fp8_numerics.RECIPES:
       return None, ""
-    return policy_lib.FP8_RECIPES[recipe], module.replace(".", "/")
+    return _fp8_numerics.RECIPES[recipe], module.replace(".", "/")
 
 
 def _join(prefix: str, stack: str) -> str:

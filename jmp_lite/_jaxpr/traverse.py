@@ -24,7 +24,7 @@ loops: the one place that knows how each of them runs.
 Parameter names by primitive, as of the JAX versions this library supports
 (0.9 to 0.11; read in jax/_src/{pjit,ad_checkpoint,custom_derivatives,
 shard_map}.py and jax/_src/lax/control_flow/{loops,conditionals}.py); the
-scan's operand split is `jmp_lite._internals.scan_split`.
+scan's operand split is `jmp_lite._jaxpr.internals.scan_split`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
-from jmp_lite import _internals
+from jmp_lite._jaxpr import internals as _internals
 
 core = _internals.core
 
@@ -224,7 +224,7 @@ def _runs_bodies(eqn, held) -> bool:
   """Whether ``eqn`` runs the jaxprs it holds as bodies, rather than as
   scalar combiners (``scatter-add``'s ``update_jaxpr``, ``reduce``'s
   ``computation``): JAX gives the former's primitives the rules only
-  higher-order primitives need (`jmp_lite._internals.higher_order_
+  higher-order primitives need (`jmp_lite._jaxpr.internals.higher_order_
   primitives`; a primitive is registered when its module loads, before any
   equation binds it, so the answer per name is kept), and a body that no
   rule registers still takes the equation's operands as they are."""
@@ -255,7 +255,7 @@ def regions(eqn) -> list[Region]:
   raise UnknownPrimitiveError(
       f"jmp_lite does not know how to enter the higher-order primitive "
       f"{eqn.primitive.name!r} (its parameters {[k for k, _ in held]} hold jaxprs); "
-      "see jmp_lite/_traverse.py")
+      "see jmp_lite/_jaxpr/traverse.py")
 
 
 def regions_or_warn(eqn, what: str) -> list[Region]:

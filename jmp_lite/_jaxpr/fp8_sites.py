@@ -1,6 +1,6 @@
 """An fp8 matmul site: one ``dot_general`` on fp8 operands, and its two transposes.
 
-`jmp_lite._instrument` replaces a chosen ``dot_general`` (or the engine's
+`jmp_lite._jaxpr.passes.instrument` replaces a chosen ``dot_general`` (or the engine's
 float32-accumulating ``jmp_dot_general``) by `matmul`, which computes what
 Transformer Engine's fp8 GEMMs compute:
 
@@ -46,7 +46,7 @@ import numpy as np
 from jmp_lite import _exact
 from jmp_lite import _fp8_blocks
 from jmp_lite import _fp8_numerics
-from jmp_lite import _probes
+from jmp_lite._jaxpr import probes as _probes
 from jmp_lite import _replicas
 
 ROLES = 3  # lhs, rhs, gradient
@@ -62,7 +62,7 @@ MARK = "jmp_lite_fp8"  # name scope wrap opens around an fp8 module's call
 def mark(recipe: Optional[str], path: str) -> str:
   """The name scope wrap opens around a module's call when fp8 rules exist.
 
-  The step (`jmp_lite._plan.Fp8Selection`) reads the innermost one of a
+  The step (`jmp_lite._jaxpr.passes.plan.Fp8Selection`) reads the innermost one of a
   matmul: its recipe (or ``off``) and the module path that names the site.
   """
   return f"{MARK}={recipe or 'off'}@{path.replace('/', '.')}"

@@ -23,7 +23,7 @@ a transposed equation's jaxprs count as transposed. What the trace does not
 show (outside ``jit``, other interpreters) is not reported: the check can
 miss, never cry wolf.
 
-Reading the trace relies on JAX internals, each listed in `jmp_lite._internals`.
+Reading the trace relies on JAX internals, each listed in `jmp_lite._jaxpr.internals`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any, Optional
 import jax
 from jax import extend as jex
 
-from jmp_lite import _internals
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr import traverse as _traverse
 from jmp_lite import _replicas
-from jmp_lite import _traverse
 
 
 def _aval(node) -> Any:
@@ -44,7 +44,7 @@ def _aval(node) -> Any:
 
 
 class _Inner:
-  """A jaxpr inside an equation (a `jmp_lite._traverse.Region`): where its
+  """A jaxpr inside an equation (a `jmp_lite._jaxpr.traverse.Region`): where its
   variables come from."""
 
   def __init__(self, region, outer_eqn, outer_graph, transposed):

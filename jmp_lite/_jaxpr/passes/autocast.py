@@ -3,7 +3,7 @@
 `eval_jaxpr` re-evaluates a jaxpr with the white/black/follow rules of
 `jmp_lite.autocasting`; sub-jaxprs of control flow are rewritten with their
 interface dtypes unchanged. White-listed matmuls bind the precision engine's
-float32-accumulating primitives (`jmp_lite._accumulate`).
+float32-accumulating primitives (`jmp_lite._jaxpr.accumulate`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,17 @@ import jax.extend as jex
 import numpy as np
 from jax import lax
 
-from jmp_lite import _accumulate
 from jmp_lite import _dtypes
-from jmp_lite import _internals
-from jmp_lite import _traverse
-from jmp_lite.oplists import CUMULATIVE as _CUMULATIVE
-from jmp_lite.oplists import REDUCE_AXES as _REDUCE_AXES
+from jmp_lite._jaxpr import accumulate as _accumulate
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr import traverse as _traverse
 
 _core = jex.core
+# Black-listed ops that are reductions: float32 only when large.
+# (max and min are exact in any dtype: black-listed, they run in float32 at any
+# size, so that the softmax `x - max(x)` is computed in float32.)
+_REDUCE_AXES = frozenset({"reduce_sum", "reduce_prod"})
+_CUMULATIVE = frozenset({"cumsum", "cumprod", "cumlogsumexp"})
 # Ops that must see the dtypes they were traced with.
 _OPAQUE = frozenset({"bitcast_convert_type", "pure_callback", "io_callback",
                      "debug_callback", "xla_pmap"})

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from jmp_lite import _dtypes
-from jmp_lite import _internals
+from jmp_lite._jaxpr import internals as _internals
 
 # Ops whose result is a selection or a copy of their first operand's values,
 # whatever its dtype: the other operands (a gather's indices) are integers,

@@ -1,5 +1,5 @@
 """What the instrumented step cannot reach: fp8 matmuls and telemetry marks
-inside bodies it runs as written (`jmp_lite._instrument`).
+inside bodies it runs as written (`jmp_lite._jaxpr.passes.instrument`).
 
 A ``custom_vjp``/``custom_jvp`` body is not what its derivative rule
 computes; a ``shard_map`` nested inside the step is re-bound as it is; a
@@ -15,10 +15,10 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional
 
-from jmp_lite import _internals
-from jmp_lite import _probes
-from jmp_lite import _traverse
-from jmp_lite._engine import UncoveredMatmulWarning
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr.passes.engine import UncoveredMatmulWarning
+from jmp_lite._jaxpr import probes as _probes
+from jmp_lite._jaxpr import traverse as _traverse
 
 _WHY = {
     "while": "a while loop's condition is run as written (its body is measured)",

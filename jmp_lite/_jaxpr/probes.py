@@ -12,7 +12,7 @@ callback, what every probed value and its cotangent looked like: inside
 ``jit``, ``scan`` (one carrier row per iteration), ``checkpoint``, ``cond``
 and ``while`` (forward statistics only: it has no reverse-mode derivative),
 where side outputs cannot escape unless each level returns them
-(`jmp_lite._instrument` does).
+(`jmp_lite._jaxpr.passes.instrument` does).
 
 Which values are probed: module outputs marked by `tap` (what
 `jmp_lite.flax.wrap` does while a probe trace is active), or, in ``"ops"``
@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._dtypes import is_floating
 from jmp_lite import _exact
 from jmp_lite import _replicas
-from jmp_lite._dtypes import is_floating
 
 TAP_PREFIX = "jmp_lite_tap_"
 # Per measured value: largest finite |x|, non-finite count, non-zero finite
@@ -113,7 +113,7 @@ def tap(tree: Any, path: str, view=None, cast_back: bool = False) -> Any:
   where = [i for i, x in enumerate(leaves) if is_floating(x)]
   if not where:
     return tree
-  # Each value's dtype as marked: `jmp_lite._sink` may widen the mark's
+  # Each value's dtype as marked: `jmp_lite._jaxpr.passes.sink` may widen the mark's
   # operands later (moving a downcast past it), and the statistics stay in
   # this dtype.
   views = (list(view) if isinstance(view, (list, tuple))

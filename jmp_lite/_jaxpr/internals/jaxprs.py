@@ -1,168 +1,25 @@
-"""Every use of JAX internals in jmp_lite, each with what it relies on.
+"""Reading, editing and evaluating jaxprs, and the parameters of higher-order
+primitives, through JAX's internals: each function says what it relies on.
 
-The rest of the library uses JAX's public API only. What lives here is what a
-precision rewrite cannot do without: defining primitives (their JVP, transpose,
-batching and lowering rules), editing jaxpr equations in place, the parameter
-names of higher-order primitives, and the user frames of a source location.
-`tests/test_internals.py` checks each item against the installed JAX, and fails
-when JAX has a higher-order primitive this module does not know.
+`jmp_lite._jaxpr.internals` re-exports everything here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 from typing import Any, Callable
 
 import jax
 import jax.extend as jex
-from jax.interpreters import ad
-from jax.interpreters import batching
-from jax.interpreters import mlir
+
+from jmp_lite._jaxpr.internals import rules
 
 core = jex.core
 Primitive = jex.core.Primitive
 # `jax.extend.core.DropVar` from JAX 0.10 on; JAX 0.9 has it in `jax.core` only
 # (where 0.10 deprecates it).
 DropVar = getattr(jex.core, "DropVar", None) or jax.core.DropVar
-
-# --- Defining primitives ------------------------------------------------------
-# The protocol of "Writing custom JAX primitives" (JAX docs): rule tables in
-# `jax.interpreters.{ad,batching,mlir}`, which JAX re-exports for this purpose.
-
-
-def abstract_eval(prim, *avals, **params):
-  """``prim``'s output aval and effects at ``avals``.
-
-  Relies on `Primitive.abstract_eval` returning ``(aval, effects)`` for
-  single-result primitives (the rule `def_abstract_eval` installs does).
-  """
-  return prim.abstract_eval(*avals, **params)
-
-
-def define_bilinear(prim, lhs_transpose, rhs_transpose) -> None:
-  """JVP ``prim(dx, y) + prim(x, dy)``; transposes ``rule(ct, x, y, **params)``.
-
-  Relies on `jax.interpreters.ad.defbilinear`; the rules read only ``x.aval``
-  (``x`` is an undefined primal or a gradient accumulator).
-  """
-  ad.defbilinear(prim, lhs_transpose, rhs_transpose)
-
-
-def define_batching(prim, rule) -> None:
-  """``rule(args, dims, **params) -> (out, out_dim)`` (dims: int or None).
-
-  Relies on the `jax.interpreters.batching.primitive_batchers` table, whose
-  rules see unbatched dimensions as None.
-  """
-  batching.primitive_batchers[prim] = rule
-
-
-def define_lowering(prim, fun: Callable[..., Any], platform=None) -> None:
-  """Lowers ``prim`` by tracing ``fun(*args, **params)`` (for ``platform``).
-
-  Relies on `jax.interpreters.mlir.lower_fun` and `register_lowering`: a rule
-  for one platform wins over the default one, and a computation lowered for
-  several platforms gets a per-platform switch (as `lax.platform_dependent`).
-  """
-  mlir.register_lowering(prim, mlir.lower_fun(fun, multiple_results=False),
-                         platform=platform)
-
-
-def define_partitioned_lowering(prim, fun: Callable[..., Any], platform) -> None:
-  """Like `define_lowering`, with ``fun(*args, partitioned=..., **params)``.
-
-  ``partitioned`` says whether XLA's SPMD partitioner will split the
-  computation across devices on dimensions the program did not make manual
-  (``jit`` over several devices). Relies on the lowering context's
-  ``module_context.axis_context``: a ``ShardingContext`` with
-  ``num_devices``, or (inside ``shard_map``) an ``SPMDAxisContext`` with a
-  ``mesh`` and its ``manual_axes``. Anything else is one device.
-  """
-  def rule(ctx, *args, **params):
-    axes = ctx.module_context.axis_context
-    if hasattr(axes, "num_devices"):
-      partitioned = axes.num_devices > 1
-    elif hasattr(axes, "manual_axes") and hasattr(axes, "mesh"):
-      partitioned = any(size > 1 for name, size in axes.mesh.shape.items()
-                        if name not in axes.manual_axes)
-    else:
-      partitioned = False
-    lowered = mlir.lower_fun(functools.partial(fun, partitioned=partitioned),
-                             multiple_results=False)
-    return lowered(ctx, *args, **params)
-  mlir.register_lowering(prim, rule, platform=platform)
-
-
-def define_remat_as(prim, as_base: Callable[[dict], tuple[Any, dict]]) -> None:
-  """Remat policies decide about ``prim`` as about the op it stands for.
-
-  ``jax.checkpoint(f, policy=...)`` asks ``policy(prim, *avals, **params)``
-  about each equation of ``f`` whose inputs are known; JAX's own policies
-  test ``prim is dot_general_p`` (``dots_saveable`` and its kin in
-  jax/_src/ad_checkpoint.py). The policy is asked about ``as_base(params) ->
-  (base_prim, base_params)`` instead, wherever the ``checkpoint`` is: outside
-  a wrapped function as well as inside it.
-
-  Relies on `partial_eval.partial_eval_jaxpr_custom_rules`, the table remat's
-  partial evaluation consults before its first-order default, with rules
-  ``rule(saveable, unks_in, inst_in, eqn) -> (known_eqn, staged_eqn,
-  unks_out, inst_out, residuals)``, and on `ensure_enum`, `SaveableType` and
-  `Offloadable`. The rule transcribes that default (the first-order branch
-  of `_partial_eval_jaxpr_custom_cached` in
-  jax/_src/interpreters/partial_eval.py, JAX 0.10.2), but for offloading:
-  a rule returns one equation each side and cannot add the two copies an
-  offload needs, so an ``Offloadable`` answer recomputes, with a warning.
-  """
-  from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
-
-  def rule(saveable, unks_in, inst_in, eqn):
-    n = len(eqn.outvars)
-    # Known inputs the staged (backward) copy reads become residuals.
-    needed = [v for v, inst in zip(eqn.invars, inst_in)
-              if not inst and not isinstance(v, core.Literal)]
-    if any(unks_in):
-      return None, eqn, [True] * n, [True] * n, needed
-    base, params = as_base(eqn.params)
-    policy = pe.ensure_enum(saveable(base, *[v.aval for v in eqn.invars],
-                                     **params))
-    if eqn.effects or isinstance(policy, pe.SaveableType):
-      return eqn, None, [False] * n, [False] * n, []
-    if isinstance(policy, pe.Offloadable):
-      import warnings  # pylint: disable=g-import-not-at-top
-      warnings.warn(
-          f"the remat policy asks to offload a {base.name} that jmp_lite "
-          f"computes as {prim.name}; it is recomputed instead (offloading "
-          "the engine's matmuls is not supported)", UserWarning, stacklevel=2)
-    return eqn, eqn, [False] * n, [True] * n, needed
-
-  pe.partial_eval_jaxpr_custom_rules[prim] = rule
-  _OWN_REMAT_RULES.add(prim.name)
-
-
-# Primitives of jmp_lite given a remat rule above: first-order, not counted by
-# `higher_order_primitives`.
-_OWN_REMAT_RULES: set[str] = set()
-
-
-def base_transpose(prim):
-  """JAX's transpose rule of ``prim``: ``rule(ct, x, y, **params)``.
-
-  Relies on `jax.interpreters.ad.primitive_transposes`; an operand that is a
-  gradient accumulator (``jax.grad``'s newer path) is passed to it as an
-  `UndefinedPrimal` of the same aval, which the rule reads ``.aval`` from.
-  """
-  rule = ad.primitive_transposes[prim]
-
-  def transpose(ct, x, y, **params):
-    x = ad.UndefinedPrimal(x.aval) if hasattr(x, "aval") and not isinstance(
-        x, jax.Array) and not ad.is_undefined_primal(x) else x
-    y = ad.UndefinedPrimal(y.aval) if hasattr(y, "aval") and not isinstance(
-        y, jax.Array) and not ad.is_undefined_primal(y) else y
-    return rule(ct, x, y, **params)
-  return transpose
-
 
 # --- Editing jaxprs -----------------------------------------------------------
 # `JaxprEqn.replace` and `Jaxpr.replace` (dataclass-style copies): a rewrite that
@@ -312,7 +169,7 @@ def user_frames(eqn):
 
 
 # --- How a traced value was computed ------------------------------------------
-# For `jmp_lite._provenance`, which finds a gradient JAX's autodiff already
+# For `jmp_lite._jaxpr.passes.provenance`, which finds a gradient JAX's autodiff already
 # summed across devices, even after later per-device operations.
 
 
@@ -381,7 +238,7 @@ def scan_split(params) -> tuple[int, int]:
     return len(consts), len(carry)
   raise NotImplementedError(
       "jmp_lite does not know how this JAX's scan splits its operands "
-      f"(params {sorted(params)}); see jmp_lite/_internals.py")
+      f"(params {sorted(params)}); see jmp_lite/_jaxpr/internals/")
 
 
 def with_more_consts(name: str, params, n: int) -> dict:
@@ -395,7 +252,7 @@ def with_more_consts(name: str, params, n: int) -> dict:
     return {**params, "ft_in": ft.pack((ft.nones(len(consts) + n), carry, xs))}
   raise NotImplementedError(
       f"jmp_lite does not know how this JAX's {name} counts its constants "
-      f"(params {sorted(params)}); see jmp_lite/_internals.py")
+      f"(params {sorted(params)}); see jmp_lite/_jaxpr/internals/")
 
 
 # Primitives that carry jaxprs or functions in their params, as of the
@@ -432,7 +289,7 @@ def higher_order_primitives() -> frozenset[str]:
   call = getattr(core_internal, "CallPrimitive", None)
   if call is not None:
     names |= {p.name for p in all_primitives().values() if isinstance(p, call)}
-  return frozenset(names - _FIRST_ORDER_WITH_RULES - _OWN_REMAT_RULES)
+  return frozenset(names - _FIRST_ORDER_WITH_RULES - rules.OWN_REMAT_RULES)
 
 
 def wrap_fun(fun: Callable[..., Any], like) -> Any:
@@ -459,34 +316,3 @@ def all_primitives() -> dict[str, Any]:
   return found
 
 
-# --- Flax's and Python's private API ------------------------------------------
-
-
-def scope_init_args(scope) -> tuple[tuple, dict]:
-  """``(args, kwargs)`` of `flax.core.scope.Scope` for a scope that mirrors
-  ``scope``: the same variables, RNGs, name, mutability, parent, path, debug
-  path and flags. Relies on `Scope._variables`, which is what `Scope.rewound`
-  passes (flax/core/scope.py)."""
-  return ((scope._variables, scope.rngs, scope.name, scope.mutable,  # pylint: disable=protected-access
-           scope.parent),
-          dict(path=scope.path, debug_path=scope.debug_path, flags=scope.flags))
-
-
-def shallow_clone(module, **overrides):
-  """``module.clone(**overrides)`` that keeps the submodules passed to it as
-  attributes (a shared embedding) as they are, where their variables live.
-  Relies on `Module.clone`'s private ``_deep_clone`` argument
-  (flax/linen/module.py)."""
-  return module.clone(_deep_clone=False, **overrides)
-
-
-def called_from(code, skip: int) -> bool:
-  """Whether a frame running ``code`` (a function's ``__code__``) is on the
-  call stack above the caller's ``skip`` callers. Relies on
-  `sys._getframe` (CPython)."""
-  frame = sys._getframe(skip + 2)  # pylint: disable=protected-access
-  while frame is not None:
-    if frame.f_code is code:
-      return True
-    frame = frame.f_back
-  return False

@@ -32,13 +32,13 @@ import jax
 import jax.extend as jex
 import numpy as np
 
-from jmp_lite import _accumulate
 from jmp_lite import _dtypes
-from jmp_lite import _internals
-from jmp_lite import _islands
-from jmp_lite import _module_scales
-from jmp_lite import _probes
-from jmp_lite import _sink
+from jmp_lite._jaxpr import accumulate as _accumulate
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr import module_scales as _module_scales
+from jmp_lite._jaxpr.passes import islands as _islands
+from jmp_lite._jaxpr.passes import sink as _sink
+from jmp_lite._jaxpr import probes as _probes
 
 
 class UncoveredMatmulWarning(UserWarning):
@@ -229,7 +229,7 @@ def rewrite(closed, *, strict: bool = False, islands: bool = True,
   With ``islands``, float32 stretches of the narrow computation (norms) are
   also recomputed in the backward pass rather than saved (`_islands`).
   ``reduce_dtype``: what partial sums of a product whose contraction XLA
-  splits across devices are reduced in (`jmp_lite._accumulate`).
+  splits across devices are reduced in (`jmp_lite._jaxpr.accumulate`).
   """
   return _Rewriter(strict, islands, reduce_dtype, sink).closed(closed)
 

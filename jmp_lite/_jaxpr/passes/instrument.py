@@ -1,4 +1,4 @@
-"""Places probes (`jmp_lite._probes`) and fp8 matmul sites (`jmp_lite._fp8_sites`)
+"""Places probes (`jmp_lite._jaxpr.probes`) and fp8 matmul sites (`jmp_lite._jaxpr.fp8_sites`)
 in a traced function and reads them back.
 
 `value_and_grad` traces the function once (with `tap` marks active), plans
@@ -15,7 +15,7 @@ ways (`forward_slots` says which slots are which):
   maximum) as the carrier's cotangent.
 
 A value no gradient reaches in the step (computed from no differentiated
-argument, or through ``stop_gradient``: `jmp_lite._plan.Planner` follows
+argument, or through ``stop_gradient``: `jmp_lite._jaxpr.passes.plan.Planner` follows
 which are) is measured on the forward pass alone, and its fp8 sites read
 their scales through ``stop_gradient``: a probe's carrier would otherwise
 make JAX differentiate it and everything it flows into (a teacher's
@@ -38,7 +38,7 @@ carrier, and return their share of the forward measurements:
 Other higher-order equations (custom derivatives, ``shard_map`` nested
 inside the function) run as written, and marks inside them report nothing:
 a custom rule's body is not what its derivative computes.
-`jmp_lite._unseen` warns when fp8 matmuls or telemetry marks sit there.
+`jmp_lite._jaxpr.passes.unseen` warns when fp8 matmuls or telemetry marks sit there.
 """
 
 from __future__ import annotations
@@ -50,21 +50,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite import _fp8_numerics
-from jmp_lite import _fp8_sites
-from jmp_lite import _internals
-from jmp_lite import _probes
-from jmp_lite import _traverse
-from jmp_lite import _replicas
 from jmp_lite import _fp8_state
-from jmp_lite._plan import Fp8Selection, Nested, Plan, Planner
-from jmp_lite._plan import decode, forward_slots, sites
+from jmp_lite._jaxpr import fp8_sites as _fp8_sites
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr.passes.plan import decode, forward_slots, sites
+from jmp_lite._jaxpr.passes.plan import Fp8Selection, Nested, Plan, Planner
+from jmp_lite._jaxpr import probes as _probes
+from jmp_lite._jaxpr import traverse as _traverse
+from jmp_lite import _replicas
 
 def interpret(jaxpr, consts, args, carrier, plan: Plan,
               gate=None) -> tuple[list[Any], jax.Array]:
   """Evaluates ``jaxpr`` with the probes of ``plan`` fed from ``carrier``.
 
   ``gate``: None (every probe measures) or a float32 scalar (they measure
-  where it is positive, `jmp_lite._probes.probe`). Returns ``(outputs,
+  where it is positive, `jmp_lite._jaxpr.probes.probe`). Returns ``(outputs,
   forward)``: ``forward`` float32 ``[plan.size]``, the forward
   measurements in their slots (`forward_slots`) and zeros elsewhere.
   """
@@ -131,7 +131,7 @@ def _assemble(size: int, found, like) -> jax.Array:
 def _nested(eqn, invals, carrier, nested: Nested, gate):
   """``eqn`` re-bound with its share of ``carrier``: ``(outputs, forward)``.
   Its bodies are ``nested.regions``, one per child plan, evaluated by
-  `interpret` through `jmp_lite._traverse.run`: a scan's iterations each
+  `interpret` through `jmp_lite._jaxpr.traverse.run`: a scan's iterations each
   read a row of the share, a cond's branches each their own slice of it,
   and a while loop's iterations all read it, their forward measurements
   combined (maxima by max, counts by sum) into one row."""
@@ -244,7 +244,7 @@ def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
 
   The sites are chosen as the training step chooses them (the state's
   ``select`` and ``recipe``), and each runs the same forward computation
-  (`jmp_lite._fp8_sites.matmul`), so for the same inputs and state the
+  (`jmp_lite._jaxpr.fp8_sites.matmul`), so for the same inputs and state the
   output is the training forward's, bitwise. Nothing is measured or
   updated.
   """

@@ -1,0 +1,58 @@
+"""Flax's and Python's private API, each use with what it relies on.
+
+`jmp_lite._jaxpr.internals` re-exports everything here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+def scope_init_args(scope) -> tuple[tuple, dict]:
+  """``(args, kwargs)`` of `flax.core.scope.Scope` for a scope that mirrors
+  ``scope``: the same variables, RNGs, name, mutability, parent, path, debug
+  path and flags. Relies on `Scope._variables`, which is what `Scope.rewound`
+  passes (flax/core/scope.py)."""
+  return ((scope._variables, scope.rngs, scope.name, scope.mutable,  # pylint: disable=protected-access
+           scope.parent),
+          dict(path=scope.path, debug_path=scope.debug_path, flags=scope.flags))
+
+
+def shallow_clone(module, **overrides):
+  """``module.clone(**overrides)`` that keeps the submodules passed to it as
+  attributes (a shared embedding) as they are, where their variables live.
+  Relies on `Module.clone`'s private ``_deep_clone`` argument
+  (flax/linen/module.py)."""
+  return module.clone(_deep_clone=False, **overrides)
+
+
+def called_from(code, skip: int) -> bool:
+  """Whether a frame running ``code`` (a function's ``__code__``) is on the
+  call stack above the caller's ``skip`` callers. Relies on
+  `sys._getframe` (CPython)."""
+  frame = sys._getframe(skip + 2)  # pylint: disable=protected-access
+  while frame is not None:
+    if frame.f_code is code:
+      return True
+    frame = frame.f_back
+  return False
+
+
+def set_attributes(node, **attributes) -> None:
+  """Sets ``attributes`` on an NNX module as plain instance attributes.
+
+  Used on the throw-away copy `jmp_lite.flax` runs a wrapped NNX model as:
+  its policies and dtype fields. Relies on `nnx.Module` keeping attributes
+  in the instance ``__dict__`` and reading them back from there, and skips
+  `nnx.Object.__setattr__`, which would register the values in the graph
+  and refuses writes from inside a transform's trace.
+  """
+  for name, value in attributes.items():
+    object.__setattr__(node, name, value)
+
+
+def swap_class(node, cls) -> None:
+  """Makes ``node`` an instance of ``cls``, a subclass of its own class
+  that only overrides ``__call__``. Relies on the same as `set_attributes`,
+  and on `nnx.Module` subclasses sharing one instance layout (no
+  ``__slots__``), which lets Python assign ``__class__``."""
+  object.__setattr__(node, "__class__", cls)
