@@ -288,6 +288,41 @@ def per_module(run: dict) -> str:
   return "\n".join(lines)
 
 
+# The command behind each committed run (`times` names it).
+COMMANDS = {
+    "digits_default.json": "python examples/train_digits.py",
+    "digits_all_policies.json": "python examples/train_digits.py --all-policies --steps 800",
+    "digits_f16_calibrated.json": "python examples/train_digits.py --policies f16,pure_f16",
+    "digits_f16_from_2_15.json":
+        "python examples/train_digits.py --policies f16,pure_f16 --no-calibrate",
+    "digits_f16_loss_scales.json":
+        "python examples/train_digits.py --policies f16,f16_underflow,f16_als",
+    "per_module_loss_scales.json": "python examples/per_module_loss_scales.py",
+    "char_lm.json": "python examples/train_char_lm.py",
+    "char_lm_fp8.json": "python examples/train_char_lm.py --policies f32,fp8,fp8_current,fp8_block",
+}
+
+
+def _seconds(s: float) -> str:
+  return f"{s:.0f} s" if s < 120 else f"{int(s // 60)} min {s % 60:.0f} s"
+
+
+def times(*runs: dict) -> str:
+  """Each committed run: the estimate it printed before training, and how
+  long it then took (from the notice to its summary)."""
+  lines = [
+      "| command | machine | load average at start → end | estimate printed | took |",
+      "|---|---|---|---|---|",
+  ]
+  for name, run in zip(COMMANDS, runs):
+    estimate = run.get("estimated_seconds_in_all", run["estimated_seconds"])
+    lines.append(
+        f"| `{COMMANDS[name]}` | {run['hardware'].removeprefix('CPU: ')}, JAX {run['jax']} | "
+        f"{run['load_average_start'][0]:g} → {run['load_average_end'][0]:g} | "
+        f"{_seconds(estimate)} | {_seconds(run['measured_seconds'])} |")
+  return "\n".join(lines)
+
+
 # Each generated block: the results files it reads, and how it renders them.
 TABLES = {
     "digits": (("digits_all_policies.json",), digits),
@@ -297,6 +332,7 @@ TABLES = {
                     calibration),
     "underflow": (("digits_f16_loss_scales.json",), underflow),
     "per_module": (("per_module_loss_scales.json",), per_module),
+    "times": (tuple(COMMANDS), times),
     "gpu": (tuple(f"../../bench/results/gpu/NVIDIA-H200/{n}.json"
                   for n in ("fp8", "steps", "guard")), gpu),
     "bench": (tuple(f"../../bench/results/{n}.json" for n in bench_table.FILES),

@@ -67,3 +67,26 @@ def test_every_bench_target_row_finds_a_run():
   for what, parts in table.ROWS:
     for label, pattern in parts:
       assert any(table._cell(r, pattern) for r in runs.values()), (what, label)
+
+
+def test_each_committed_run_was_estimated_within_one_and_a_half_times():
+  """The examples print an estimate before they train; each run committed
+  under docs/results/ holds it and the seconds the run then took (from the
+  notice to the summary). On a machine no busier than its cores the two
+  agree within 1.5× either way, as the README promises."""
+  import json
+  import re as re_lib
+
+  results = sorted((README.parent / "docs" / "results").glob("*.json"))
+  assert results
+  for path in results:
+    summary = json.loads(path.read_text())
+    assert "measured_seconds" in summary, f"{path.name}: rerun it (no measured_seconds)"
+    cores = int(re_lib.search(r"(\d+) cores", summary["hardware"]).group(1))
+    assert summary["load_average_start"][0] <= cores, (
+        f"{path.name}: run on a busy machine (load "
+        f"{summary['load_average_start'][0]} on {cores} cores)")
+    estimate = summary.get("estimated_seconds_in_all", summary["estimated_seconds"])
+    ratio = estimate / summary["measured_seconds"]
+    assert 1 / 1.5 <= ratio <= 1.5, (
+        f"{path.name}: estimated {estimate} s, took {summary['measured_seconds']} s")
