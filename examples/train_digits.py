@@ -275,12 +275,16 @@ def plot(results, path):
       # The scale each step used, then the one after the last step: the run
       # ends at its final scale (the one the table prints).
       ys = list(r["loss_scales"]) + [r["final_loss_scale"]]
-      ax2.step(range(len(ys)), ys, where="post",
-               label=f"{name}: {r['skipped_steps']} steps skipped")
+      (line,) = ax2.step(range(len(ys)), ys, where="post",
+                         label=f"{name}: {r['skipped_steps']} steps skipped")
+      # A change after the last step is a jump on the frame's edge: a dot
+      # marks the final scale, so the run visibly ends there.
+      ax2.plot([len(ys) - 1], [ys[-1]], "o", color=line.get_color(), ms=4)
       levels |= set(ys)
       last = max(last, len(ys) - 1)
-    ax2.set(title="Dynamic loss scale (policies without scaling stay at 1: not shown)",
-            xlabel="step", ylabel="loss scale", xlim=(0, last))
+    ax2.set(title="Dynamic loss scale (policies without scaling stay at 1: not shown; "
+                  "dot: the scale after the last step)",
+            xlabel="step", ylabel="loss scale", xlim=(0, last * 1.02))
     # The scale moves by factors of two: a log2 axis with a tick at every
     # level the runs reached, labelled as powers of two.
     ax2.set_yscale("log", base=2)
