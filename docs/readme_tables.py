@@ -300,6 +300,9 @@ COMMANDS = {
     "per_module_loss_scales.json": "python examples/per_module_loss_scales.py",
     "char_lm.json": "python examples/train_char_lm.py",
     "char_lm_fp8.json": "python examples/train_char_lm.py --policies f32,fp8,fp8_current,fp8_block",
+    "seq2seq.json": "python examples/train_seq2seq.py",
+    "localize_overflow.json": "python examples/localize_overflow.py",
+    "autocast_plain_jax.json": "python examples/autocast_plain_jax.py",
 }
 
 
