@@ -21,6 +21,7 @@ Primitive = jex.core.Primitive
 # (where 0.10 deprecates it).
 DropVar = getattr(jex.core, "DropVar", None) or jax.core.DropVar
 
+
 # --- Editing jaxprs -----------------------------------------------------------
 # `JaxprEqn.replace` and `Jaxpr.replace` (dataclass-style copies): a rewrite that
 # keeps every input and output type swaps equations without re-tracing.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+
 def scope_init_args(scope) -> tuple[tuple, dict]:
   """``(args, kwargs)`` of `flax.core.scope.Scope` for a scope that mirrors
   ``scope``: the same variables, RNGs, name, mutability, parent, path, debug
