@@ -49,7 +49,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
 import jax
-import numpy as np
 
 from jmp_lite._audit_report import AuditReport
 from jmp_lite._audit_report import AuditRow
@@ -118,7 +117,7 @@ def audit(fun: Callable[..., Any], *args,
     target = (policy.autocast_dtype if policy.autocast_dtype is not None
               else policy.compute_dtype)
   closed = jax.make_jaxpr(fun, axis_env=axis_env)(*args, **kwargs)
-  half = target is not None and np.dtype(target).itemsize == 2
+  half = target is not None and _audit.is_half(target)
   auditor = _audit.Auditor(half_policy=half,
                            min_reduction_size=min_reduction_size)
   auditor.walk(closed.jaxpr, (), False, "unknown")

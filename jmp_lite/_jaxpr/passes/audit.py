@@ -80,7 +80,7 @@ def _is_float(dtype) -> bool:
   return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
-def _is_half(dtype) -> bool:
+def is_half(dtype) -> bool:
   return _is_float(dtype) and np.dtype(dtype).itemsize == 2
 
 
@@ -164,15 +164,15 @@ class Auditor:
     if (category in ("matmul", "conv") and any(map(_is_narrow, ins))
         and _is_narrow(accumulation)):
       flags.append(HALF_MATMUL)
-    if (name in _SUM_LIKE and _is_half(accumulation)
+    if (name in _SUM_LIKE and is_half(accumulation)
         and size >= self.min_reduction_size):
       flags.append(HALF_REDUCTION)
-    if category == "exp_log" and any(map(_is_half, outs)):
+    if category == "exp_log" and any(map(is_half, outs)):
       flags.append(HALF_EXP_LOG)
     if (category in ("matmul", "conv") and self.half_policy
         and any(_is_float(d) and d.itemsize >= 4 for d in ins)):
       flags.append(F32_MATMUL)
-    if name in _ALL_REDUCE and any(map(_is_half, ins)):
+    if name in _ALL_REDUCE and any(map(is_half, ins)):
       flags.append(HALF_ALL_REDUCE)
     self.rows.append(dict(
         primitive=name, category=category, operand_dtypes=ins,
