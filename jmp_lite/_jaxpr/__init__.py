@@ -15,5 +15,5 @@
 The public modules import this package; nothing here imports them, and
 `tests/test_layout.py` holds both and the absence of import cycles. Below it
 lie only the numeric helpers it shares with them (`jmp_lite._dtypes`,
-`_exact`, `_replicas`, `_fp8_numerics`, ...).
+`_exact`, `_replicas`, `_fp8_numerics`, `_fp8_state`, ...).
 """
