@@ -19,10 +19,11 @@ import numpy as np
 from jmp_lite import _exact
 from jmp_lite import _struct
 
+# fp8 recipes: the formats of a matmul's operands and of its gradient
+# (`jmp_lite.policy.FP8_RECIPES`).
+RECIPES = {"hybrid": ("e4m3", "e5m2"), "e4m3": ("e4m3", "e4m3")}
 # The formats of the "hybrid" recipe: e4m3 (more precision) for forward
 # values, e5m2 (more range) for gradients.
-# fp8 recipes: the formats of a matmul's operands and of its gradient.
-RECIPES = {"hybrid": ("e4m3", "e5m2"), "e4m3": ("e4m3", "e4m3")}
 FORMATS = {"e4m3": np.dtype(jnp.float8_e4m3fn), "e5m2": np.dtype(jnp.float8_e5m2)}
 _ALGORITHMS = ("max", "most_recent")
 
