@@ -246,20 +246,18 @@ def _blocks_bwd(static, residuals, g, amax_g):
   lhs_copy, rhs_copy = residuals
   (dims_l, perm_l), (dims_r, perm_r) = _transposes(static.dimension_numbers,
                                                    static.lhs.ndim, static.rhs.ndim)
-  d_lhs = d_rhs = None
-  if rhs_copy is not None:
-    g_axis, rhs_axis = _fp8_blocks.axes(dims_l)
+
+  def transpose(copy, dims, perm):
+    """One operand's gradient: ``g`` block-quantised along the product's
+    contraction with the other operand's kept copy."""
+    if copy is None:
+      return None
+    g_axis, copy_axis = _fp8_blocks.axes(dims)
     q_g, e_g = _fp8_blocks.quantize(g, g_axis, static.backward)
-    d_lhs = lax.transpose(_propagate(
-        _fp8_blocks.dot(q_g, e_g, g_axis, *rhs_copy, rhs_axis, dims_l), amax_g, dims_l, g),
-        perm_l)
-  if lhs_copy is not None:
-    g_axis, lhs_axis = _fp8_blocks.axes(dims_r)
-    q_g, e_g = _fp8_blocks.quantize(g, g_axis, static.backward)
-    d_rhs = lax.transpose(_propagate(
-        _fp8_blocks.dot(q_g, e_g, g_axis, *lhs_copy, lhs_axis, dims_r), amax_g, dims_r, g),
-        perm_r)
-  return d_lhs, d_rhs
+    product = _fp8_blocks.dot(q_g, e_g, g_axis, *copy, copy_axis, dims)
+    return lax.transpose(_propagate(product, amax_g, dims, g), perm)
+
+  return transpose(rhs_copy, dims_l, perm_l), transpose(lhs_copy, dims_r, perm_r)
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
