@@ -52,6 +52,10 @@ ROWS = (
         ("float32", r"guarded Adam step .* gradients-only \(float32 params\)"),
         ("bfloat16", r"guarded Adam step .* gradients-only \(bfloat16 params\)"),
     )),
+    ("the same step's XLA temporaries vs checking gradients only (≤ 1.01×; all)", (
+        ("float32", r"guarded Adam step's XLA temporaries .* \(float32 params\)"),
+        ("bfloat16", r"guarded Adam step's XLA temporaries .* \(bfloat16 params\)"),
+    )),
     ("`TrainState.minimize` trace + lower + compile vs the plain Flax + optax step, worst size (≤ 2×; all)", (
         ("MLP f32", rf"MLP: TrainState\.minimize f32 trace\+lower\+compile ≤ 2× .*{_ARRAYS}"),
         ("MLP bf16", rf"MLP: TrainState\.minimize bf16 trace\+lower\+compile ≤ 2× .*{_ARRAYS}"),

@@ -10,6 +10,8 @@ decides, for the whole chain, whether a step happens::
       g32 = g / scale * min(1, clip_norm / norm)  # float32, fused into the update
       updates, inner_state = inner.update(g32, state, float32 params)
       finite = nothing finite became NaN/inf: updates, params + updates, state
+               (for large arrays, checked on a second computation of the
+               step from the same inputs: nothing is stored for the check)
     if not finite:
       updates = -0.0; inner_state unchanged
     loss_scale = loss_scale.adjust(gradients finite)
@@ -43,6 +45,7 @@ with fresh zeros, and the loss scale stays fixed within an accumulation.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional
 
 import jax
@@ -127,6 +130,15 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
   if not isinstance(old, jax.Array) and np.ndim(old) == 0:  # -0.0 for an int update: 0
     old = jnp.full_like(new, old)
   return jnp.where(pred, new, old)
+
+
+def _barrier(tree: Any) -> Any:
+  """``tree``'s arrays through one ``optimization_barrier``, the rest as they are."""
+  leaves, treedef = jax.tree.flatten(tree)
+  at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+  for i, x in zip(at, jax.lax.optimization_barrier([leaves[i] for i in at])):
+    leaves[i] = x
+  return treedef.unflatten(leaves)
 
 
 def _no_op_updates(update_fn) -> Any:
@@ -323,27 +335,35 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     _replicas.check_decision(finite, axis_name, "with_loss_scale")
     like = params if params is not None else grads
 
-    def apply():
+    def apply(grads, old_state, params):
       unscaled = _unscale.grads_for_inner(grads, info)
       with stored_params(params):
         updates, inner_state = inner.update(
-            unscaled, state.inner_state,
+            unscaled, old_state,
             None if params is None else _unscale.for_inner(params), **extra_args)
       updates = _unscale.fill_updates(updates, like)
-      return updates, _unscale.cast_like(inner_state, state.inner_state)
+      return updates, _unscale.cast_like(inner_state, old_state)
 
     # The inner optimizer runs on every step and its results are selected,
     # rather than run inside a `cond`: a conditional around the optimizer
     # keeps XLA from fusing it with the unscaling and the checks (compile
     # time grew with every parameter array, and so did the step's). A skipped
     # step's work is discarded; nothing of it is kept.
-    updates, inner_state = apply()
+    updates, inner_state = apply(grads, state.inner_state, params)
     false = jnp.array(False)
     bad = NonFinite(grads=~finite, updates=false, params=false, opt_state=false)
     if check_results:
-      # Only meaningful where the gradients were finite (else False).
+      # Large arrays are checked on a second copy of the step, computed from
+      # the same inputs behind a barrier (`_checks.COPY_FROM`), rather than on
+      # the results: see there. Only meaningful where the gradients were
+      # finite (else False).
+      checked_u, checked_s = updates, inner_state
+      if _checks.any_copied((updates, inner_state)):
+        u_copy, s_copy = apply(*_barrier((grads, state.inner_state, params)))
+        checked_u = _checks.copied_from(u_copy, updates)
+        checked_s = _checks.copied_from(s_copy, inner_state)
       u_bad, p_bad, s_bad = _checks.written_nonfinite(
-          updates, params, inner_state, state.inner_state, finite)
+          checked_u, params, checked_s, state.inner_state, finite)
       bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)
       applied = ~(bad.grads | bad.updates | bad.params | bad.opt_state)
       if axis_name is not None:
@@ -355,9 +375,18 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     if max_stalled_steps is not None:
       _checks.raise_if_stalled(stalled, max_stalled_steps, updates, params,
                                inner_state, state.inner_state)
-    updates = jax.tree.map(lambda u: _select(applied, u, -0.0), updates)
-    inner_state = jax.tree.map(lambda n, o: _select(applied, n, o),
-                               inner_state, state.inner_state)
+    if check_results:
+      u_where, s_where = _checks.written_where(applied, updates, params, inner_state,
+                                               state.inner_state)
+    else:
+      u_where = s_where = itertools.repeat(applied)
+    u_leaves, u_tree = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
+    updates = u_tree.unflatten(u if u is None else _select(w, u, -0.0)
+                               for u, w in zip(u_leaves, u_where))
+    s_leaves, s_tree = jax.tree.flatten(inner_state)
+    inner_state = s_tree.unflatten(
+        _select(w, n, o) for n, o, w in zip(s_leaves, jax.tree.leaves(state.inner_state),
+                                            s_where))
     dtype = state.grad_norm.dtype
     norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)
     new_scale = _guard_state.adjust(state.loss_scale, finite, measured)

@@ -240,27 +240,39 @@ def test_jit_guard_on_sharded_gradients_reduces_with_all_reduce_only():
   """The guard's norm and checks over gradients, params and state sharded on
   8 devices compile to all-reduces of scalars, never an all-gather: a
   reduction XLA's partitioner cannot express as one (a variadic reduce, tried
-  for the norm) makes it gather every device's partial results."""
+  for the norm) makes it gather every device's partial results. Both ways of
+  checking: on the results (small arrays) and on a copy of the step (arrays
+  of `_checks.COPY_FROM` elements), whose result is one device's (to the
+  rounding of the norm's sum, which the devices add in another order)."""
+  from jmp_lite import _checks
   mesh = _mesh((8,), ("fsdp",))
   put = lambda tree: jax.tree.map(
       lambda a: jax.device_put(a, NamedSharding(mesh, P("fsdp") if a.ndim else P())), tree)
-  params = put({f"w{i}": jnp.full((64, 8), 0.5) for i in range(12)})
-  grads = put(jax.tree.map(lambda a: a * 3.0, params))
-  tx = jo.with_loss_scale(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0 ** 15),
-                          clip_norm=1.0)
-  opt_state = put(tx.init(params))
+  for shape, copied in (((64, 8), False), ((_checks.COPY_FROM // 64, 64), True)):
+    params = {f"w{i}": jnp.full(shape, 0.5) + i for i in range(12)}
+    grads = jax.tree.map(lambda a: a * 3.0, params)
+    tx = jo.with_loss_scale(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0 ** 15),
+                            clip_norm=1.0)
+    opt_state = tx.init(params)
 
-  def step(grads, opt_state, params):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    def step(grads, opt_state, params):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
 
-  with jax.numpy_dtype_promotion("standard"):  # optax's Adam: b1 ** count
-    compiled = jax.jit(step).lower(grads, opt_state, params).compile()
-    _, new_state = compiled(grads, opt_state, params)
-  text = compiled.as_text()
-  assert text.count("all-reduce(") > 0
-  assert text.count("all-gather(") == 0, re.findall(r".*all-gather\(.*", text)[:3]
-  assert not bool(jo.find_loss_scale_state(new_state).skipped)
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam: b1 ** count
+      sharded = put((grads, opt_state, params))
+      lowered = jax.jit(step).lower(*sharded)
+      compiled = lowered.compile()
+      new_params, new_state = compiled(*sharded)
+      one_device = jax.jit(step)(*jax.device_put((grads, opt_state, params),
+                                                   jax.devices()[0]))
+    text = compiled.as_text()
+    assert text.count("all-reduce(") > 0
+    assert text.count("all-gather(") == 0, re.findall(r".*all-gather\(.*", text)[:3]
+    assert ("optimization_barrier" in lowered.as_text()) == copied, shape
+    assert not bool(jo.find_loss_scale_state(new_state).skipped)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 (new_params, new_state), one_device)
 
 
 # ----------------------------------------------------------------- shard_map

@@ -29,12 +29,22 @@ import optax.contrib
 import pytest
 
 import jmp_lite
+from jmp_lite import _checks
 from jmp_lite import optax as jo
 from jmp_lite.testing import count_compilations, inject_nonfinite
 from jmp_lite.testing import assert_trees_bitwise_equal
 
 # The heavy tier (every optax optimizer under every fault): `pytest -m slow`.
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _check_w_on_a_copy(monkeypatch):
+  """The guard checks arrays of `_checks.COPY_FROM` elements or more on a
+  copy of the step and smaller ones on its results. Here "w" (12 elements)
+  and state leaves of its size go through the copy and the smaller leaves
+  through the results, so that every run covers both."""
+  monkeypatch.setattr(_checks, "COPY_FROM", 12)
 
 _LR = 1e-3
 _TARGET = 0.25
