@@ -1,7 +1,8 @@
 """Everything that reads or rewrites a jaxpr: the engine below the public API.
 
 * `traverse`: the one table of how to enter each higher-order primitive, and
-  the one evaluator of their bodies, which every pass reads.
+  the one evaluator of their bodies, which every pass reads; `rebind`: binding
+  one again with its bodies rewritten (autocast's), constants hoisted.
 * `internals`: every use of JAX internals and Flax's private API.
 * What the passes place in a program: `accumulate` (the float32-accumulating
   matmul and convolution primitives), `probes` (telemetry's statistics),

@@ -244,9 +244,21 @@ def scan_split(params) -> tuple[int, int]:
 
 def with_more_consts(name: str, params, n: int) -> dict:
   """``params`` of a ``name`` equation whose body takes ``n`` more leading
-  constants (constants a rewrite of the body hoisted)."""
+  constants (constants a rewrite of the body hoisted).
+
+  A ``custom_vjp_call``'s forward rule may return some of its operands as
+  residuals without computing them: ``out_trees()`` returns ``(out_tree,
+  res_tree, input_fwds)``, whose ``input_fwds`` index the equation's
+  operands, and the JVP rule reads them as ``primals_in[f]``
+  (jax/_src/interpreters/ad.py, ``process_custom_vjp_call``, JAX 0.10.2).
+  Constants put in front move every operand by ``n``, so those indices move
+  too; unshifted, the residual was a hoisted constant and the gradient wrong.
+  """
   if "num_consts" in params:
-    return {**params, "num_consts": params["num_consts"] + n}
+    params = {**params, "num_consts": params["num_consts"] + n}
+    if name == "custom_vjp_call" and n and "out_trees" in params:
+      params["out_trees"] = _forwards_shifted(params["out_trees"], n)
+    return params
   if name == "scan" and "ft_in" in params:
     from jax._src import flattree as ft  # pylint: disable=g-import-not-at-top
     consts, carry, xs = params["ft_in"].unpack()
@@ -291,6 +303,17 @@ def higher_order_primitives() -> frozenset[str]:
   if call is not None:
     names |= {p.name for p in all_primitives().values() if isinstance(p, call)}
   return frozenset(names - _FIRST_ORDER_WITH_RULES - rules.OWN_REMAT_RULES)
+
+
+def _forwards_shifted(out_trees: Callable[[], tuple], n: int) -> Callable[[], tuple]:
+  """``out_trees`` (see `with_more_consts`) with its operand indices moved by ``n``."""
+  def shifted():
+    trees = out_trees()
+    if len(trees) != 3:  # no forwarded residuals in this JAX
+      return trees
+    out_tree, res_tree, fwds = trees
+    return out_tree, res_tree, [None if f is None else f + n for f in fwds]
+  return shifted
 
 
 def wrap_fun(fun: Callable[..., Any], like) -> Any:

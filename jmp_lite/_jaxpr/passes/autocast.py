@@ -20,6 +20,7 @@ from jax import lax
 from jmp_lite import _dtypes
 from jmp_lite._jaxpr import accumulate as _accumulate
 from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr import rebind as _rebind
 from jmp_lite._jaxpr import traverse as _traverse
 
 _core = jex.core
@@ -112,8 +113,8 @@ def _has_jaxpr_params(params) -> bool:
 
 def _eval_eqn(eqn, invals, rules):
   name = eqn.primitive.name
-  if name in _HIGHER_ORDER:
-    return _HIGHER_ORDER[name](eqn, invals, rules)
+  if name in _rebind.PRIMITIVES:
+    return _higher_order(eqn, invals, rules)
   if name == "convert_element_type":
     # An explicit cast: convert straight from the float32 accumulator.
     x = invals[0].value if isinstance(invals[0], _Wide) else invals[0]
@@ -216,132 +217,32 @@ def _follow(eqn, invals):
 
 
 # ---------------------------------------------------------------------------
-# Sub-jaxprs.
+# Sub-jaxprs: rewritten with these rules and bound again by `rebind`, which
+# knows each primitive's constants. Their interface dtypes stay as traced,
+# except where a call is inlined and a checkpoint's body is traced at its
+# operands' dtypes (`rebind.FREE_TYPED`).
 
 
-def _trace(fn, avals) -> tuple[Any, list[Any]]:
-  """Traces ``fn`` at ``avals``; returns a const-free ClosedJaxpr and consts.
-
-  Constants the trace captured become leading inputs of the jaxpr.
-  """
-  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                weak_type=getattr(a, "weak_type", False))
-           for a in avals]
-  closed = jax.make_jaxpr(fn)(*specs)
-  if not closed.consts:
-    return closed, []
-  jaxpr = _internals.constvars_to_invars(closed)
-  return _core.ClosedJaxpr(jaxpr, ()), list(closed.consts)
-
-
-def _rewrite_closed(closed, rules):
-  """``closed`` autocast inside, with its input and output types unchanged."""
-  def fn(*args):
-    outs = eval_jaxpr(closed.jaxpr, closed.consts, args, rules)
-    return [cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals)]
-  return _trace(fn, closed.in_avals)
+def _body(name, rules):
+  """`rebind`'s ``body``: a closed jaxpr evaluated with ``rules``."""
+  def body(closed):
+    def fn(*args):
+      outs = eval_jaxpr(closed.jaxpr, closed.consts, args, rules)
+      if name == "remat2":
+        return [_as(x, _dtype(x)) for x in outs]
+      if name in _rebind.FREE_TYPED:
+        return outs
+      return [cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals)]
+    return fn
+  return body
 
 
-def _inline(eqn, invals, rules):
-  closed = eqn.params["jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"]
-  return eval_jaxpr(closed.jaxpr, closed.consts, invals, rules)
-
-
-def _remat(eqn, invals, rules):
-  jaxpr = eqn.params["jaxpr"]
-  vals = [_as(x, _dtype(x)) for x in invals]
-
-  def fn(*args):
-    outs = eval_jaxpr(jaxpr, (), args, rules)
-    return [_as(x, _dtype(x)) for x in outs]
-
-  new, consts = _trace(fn, [jax.typeof(x) for x in vals])
-  return _bind(eqn, [*consts, *vals], dict(eqn.params, jaxpr=new.jaxpr))
-
-
-def _with_consts(key):
-  """The handler of a primitive whose jaxpr ``params[key]`` takes its
-  ``num_consts`` constants first (``scan``, ``custom_jvp_call``): hoisted
-  constants of the rewritten jaxpr join them."""
-  def handler(eqn, invals, rules):
-    new, consts = _rewrite_closed(eqn.params[key], rules)
-    params = _internals.with_more_consts(
-        eqn.primitive.name, {**eqn.params, key: new}, len(consts))
-    return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
-  return handler
-
-
-def _while(eqn, invals, rules):
-  p = eqn.params
-  cond, cond_consts = _rewrite_closed(p["cond_jaxpr"], rules)
-  body, body_consts = _rewrite_closed(p["body_jaxpr"], rules)
-  vals = _restore(eqn, invals)
-  cn, bn = p["cond_nconsts"], p["body_nconsts"]
-  vals = [*cond_consts, *vals[:cn], *body_consts, *vals[cn:]]
-  params = dict(p, cond_jaxpr=cond, body_jaxpr=body,
-                cond_nconsts=cn + len(cond_consts),
-                body_nconsts=bn + len(body_consts))
-  return _bind(eqn, vals, params)
-
-
-def _cond(eqn, invals, rules):
-  rewritten = [_rewrite_closed(b, rules) for b in eqn.params["branches"]]
-  extra = [c for _, consts in rewritten for c in consts]
-  if extra:
-    # Every branch must take the same operands: give each all the constants.
-    branches, start = [], 0
-    for new, consts in rewritten:
-      def fn(*args, new=new, lo=start, hi=start + len(consts)):
-        return _core.jaxpr_as_fun(new)(*args[lo:hi], *args[len(extra):])
-      closed, more = _trace(fn, [jax.typeof(c) for c in extra]
-                            + list(new.in_avals[len(consts):]))
-      assert not more, "constants of a branch were hoisted already"
-      branches.append(closed)
-      start += len(consts)
+def _higher_order(eqn, invals, rules):
+  name = eqn.primitive.name
+  if name == "remat2":
+    vals = [_as(x, _dtype(x)) for x in invals]
+  elif name in _rebind.FREE_TYPED:
+    vals = invals
   else:
-    branches = [new for new, _ in rewritten]
-  vals = _restore(eqn, invals)
-  return _bind(eqn, [vals[0], *extra, *vals[1:]],
-               dict(eqn.params, branches=tuple(branches)))
-
-
-def _custom_vjp(eqn, invals, rules):
-  new, consts = _rewrite_closed(eqn.params["call_jaxpr"], rules)
-  thunk = eqn.params["fwd_jaxpr_thunk"]
-
-  def fwd_jaxpr_thunk(*zeros):
-    jaxpr, fwd_consts = thunk.call_wrapped(*zeros)
-    fwd, hoisted = _rewrite_closed(_core.ClosedJaxpr(jaxpr, fwd_consts), rules)
-    return _internals.invars_to_constvars(fwd.jaxpr, len(hoisted)), hoisted
-
-  params = _internals.with_more_consts(
-      eqn.primitive.name,
-      dict(eqn.params, call_jaxpr=new,
-           fwd_jaxpr_thunk=_internals.wrap_fun(fwd_jaxpr_thunk, thunk)),
-      len(consts))
-  return _bind(eqn, [*consts, *_restore(eqn, invals)], params)
-
-
-def _shard_map(eqn, invals, rules):
-  """The body autocast per shard, through the public `jax.shard_map`."""
-  body = eqn.params["jaxpr"]
-
-  def fn(*args):
-    outs = eval_jaxpr(body, (), args, rules)
-    return [cast_to_aval(x, v.aval) for x, v in zip(outs, body.outvars)]
-
-  return _internals.shard_map_call(eqn, fn, _restore(eqn, invals))
-
-
-_HIGHER_ORDER = {
-    "jit": _inline,
-    "pjit": _inline,
-    "closed_call": _inline,
-    "remat2": _remat,
-    "scan": _with_consts("jaxpr"),
-    "while": _while,
-    "cond": _cond,
-    "custom_jvp_call": _with_consts("call_jaxpr"),
-    "custom_vjp_call": _custom_vjp,
-    "shard_map": _shard_map,
-}
+    vals = _restore(eqn, invals)
+  return _rebind.rebind(eqn, vals, _body(name, rules))
