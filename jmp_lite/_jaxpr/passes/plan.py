@@ -180,12 +180,10 @@ def _mark_shared(eqn, child: Plan) -> None:
   carried or sliced from a sequence, so its state does not depend on the
   sequence's length.
   """
-  p = eqn.params
-  nc, nk = _internals.scan_split(p)
-  body = p["jaxpr"].jaxpr
-  n_xs = len(body.invars) - nc - nk
-  origins = ([frozenset({_INVARIANT})] * nc + [frozenset({_CARRIED})] * nk
-             + [frozenset({_SCANNED})] * n_xs)
+  region, = _traverse.regions(eqn)
+  body = region.jaxpr
+  origins = [frozenset({_CARRIED if carried else _SCANNED if sliced else _INVARIANT})
+             for carried, sliced in zip(region.carried, region.sliced)]
   for point, operands in _site_operands(body, child, origins):
     per_iteration = (any(_SCANNED in o for o in operands)
                      and all(o - {_INVARIANT} for o in operands))
