@@ -49,6 +49,7 @@ import itertools
 from typing import Any, Optional
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -132,13 +133,22 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
   return jnp.where(pred, new, old)
 
 
-def _barrier(tree: Any) -> Any:
-  """``tree``'s arrays through one ``optimization_barrier``, the rest as they are."""
-  leaves, treedef = jax.tree.flatten(tree)
+def _copy(apply, inputs: tuple) -> Optional[tuple]:
+  """``apply(*inputs)`` computed a second time, behind an ``optimization_barrier``
+  (see `jmp_lite._checks.COPY_FROM`); None where it has side effects.
+
+  A second copy of a callback (``jax.debug.print`` in the inner optimizer)
+  would run twice a step, so such a step is checked on its results.
+  """
+  closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*inputs)
+  if closed.effects:
+    return None
+  leaves = jax.tree.leaves(inputs)
   at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
   for i, x in zip(at, jax.lax.optimization_barrier([leaves[i] for i in at])):
     leaves[i] = x
-  return treedef.unflatten(leaves)
+  outs = jex.core.jaxpr_as_fun(closed)(*leaves)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 def _no_op_updates(update_fn) -> Any:
@@ -358,10 +368,11 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
       # the results: see there. Only meaningful where the gradients were
       # finite (else False).
       checked_u, checked_s = updates, inner_state
-      if _checks.any_copied((updates, inner_state)):
-        u_copy, s_copy = apply(*_barrier((grads, state.inner_state, params)))
-        checked_u = _checks.copied_from(u_copy, updates)
-        checked_s = _checks.copied_from(s_copy, inner_state)
+      copy = (_copy(apply, (grads, state.inner_state, params))
+              if _checks.any_copied((updates, inner_state)) else None)
+      if copy is not None:
+        checked_u = _checks.copied_from(copy[0], updates)
+        checked_s = _checks.copied_from(copy[1], inner_state)
       u_bad, p_bad, s_bad = _checks.written_nonfinite(
           checked_u, params, checked_s, state.inner_state, finite)
       bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)

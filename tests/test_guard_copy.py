@@ -188,3 +188,28 @@ def test_what_a_step_writes_is_finite_even_where_told_to_apply():
   (u_ok, _), (s_ok,) = _checks.written_where(
       jnp.array(False), {"p": u, "q": small}, {"p": p, "q": jnp.ones(4)}, (new,), (old,))
   assert not bool(jnp.any(u_ok)) and not bool(jnp.any(s_ok))
+
+
+@pytest.mark.usefixtures("standard_promotion")
+def test_an_optimizer_with_a_callback_runs_it_once_and_is_checked_on_its_results():
+  """A second copy of the step would run the inner optimizer's callback
+  twice: such a step is checked on its results (and still skips)."""
+  calls = []
+
+  def update(updates, state, params=None):
+    jax.debug.callback(lambda: calls.append(1))
+    return updates, state
+
+  noisy = optax.chain(optax.GradientTransformation(lambda p: optax.EmptyState(), update),
+                      _sgd())
+  tx = jo.with_loss_scale(noisy, jmp_lite.StaticLossScale(SCALE))
+  params = _params(jnp.float16)
+  step = jax.jit(tx.update)
+  assert _barriers(tx.update, params, tx.init(params), params) == 0
+  state = tx.init(params)
+  for t in (0, 3):  # step 3 overflows a float16 parameter
+    updates, state = step(jmp_lite.StaticLossScale(SCALE).scale(_grads(params, t, _FAULTS.get(t))),
+                          state, params)
+    jax.effects_barrier()
+    assert bool(jo.find_loss_scale_state(state).skipped) == (t == 3)
+  assert len(calls) == 2
