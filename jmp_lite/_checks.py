@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+import itertools
+from typing import Any, Optional
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -167,6 +169,64 @@ def written_where(applied: jax.Array, updates: Any, params: Any, inner_state: An
   return ([where(_update_ok, u, p) for u, p in zip(us, ps)],
           [where(_state_ok, n, o) for n, o in zip(jax.tree.leaves(inner_state),
                                                  jax.tree.leaves(old_state))])
+
+
+def select(pred: jax.Array, new: Any, old: Any) -> Any:
+  """``jnp.where(pred, new, old)`` for one leaf; primitives for floating arrays
+  (`jmp_lite._elementwise`: tracing cost), ``jnp.where`` for anything else."""
+  if (isinstance(new, jax.Array) and is_inexact(new)
+      and (not isinstance(old, jax.Array) or old.dtype == new.dtype)):
+    return _elementwise.where(pred, new, old)
+  if not isinstance(old, jax.Array) and np.ndim(old) == 0:  # -0.0 for an int update: 0
+    old = jnp.full_like(new, old)
+  return jnp.where(pred, new, old)
+
+
+def _copy(apply, inputs: tuple) -> Optional[tuple]:
+  """``apply(*inputs)`` computed a second time, behind an ``optimization_barrier``
+  (see `COPY_FROM`); None where it has side effects.
+
+  A second copy of a callback (``jax.debug.print`` in the inner optimizer)
+  would run twice a step, so such a step is checked on its results.
+  """
+  closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*inputs)
+  if closed.effects:
+    return None
+  leaves = jax.tree.leaves(inputs)
+  at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+  for i, x in zip(at, jax.lax.optimization_barrier([leaves[i] for i in at])):
+    leaves[i] = x
+  outs = jex.core.jaxpr_as_fun(closed)(*leaves)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def checked_values(apply, inputs: tuple, updates: Any, inner_state: Any) -> tuple:
+  """What `written_nonfinite` reads: ``updates`` and ``inner_state``, those
+  computed by ``apply(*inputs)``, with their `copied` leaves taken from a
+  second computation of the step (`COPY_FROM`), where there is one."""
+  if not any_copied((updates, inner_state)):
+    return updates, inner_state
+  copy = _copy(apply, inputs)
+  if copy is None:
+    return updates, inner_state
+  return copied_from(copy[0], updates), copied_from(copy[1], inner_state)
+
+
+def select_written(applied: jax.Array, updates: Any, params: Any, inner_state: Any,
+                   old_state: Any, per_element: bool) -> tuple:
+  """What a step writes: ``updates`` where ``applied`` (``-0.0`` elsewhere),
+  ``inner_state`` where ``applied`` (``old_state`` elsewhere); with
+  ``per_element``, a `copied` leaf also element by element (`written_where`)."""
+  if per_element:
+    u_where, s_where = written_where(applied, updates, params, inner_state, old_state)
+  else:
+    u_where = s_where = itertools.repeat(applied)
+  u_leaves, u_tree = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
+  updates = u_tree.unflatten(u if u is None else select(w, u, -0.0)
+                             for u, w in zip(u_leaves, u_where))
+  s_leaves, s_tree = jax.tree.flatten(inner_state)
+  return updates, s_tree.unflatten(
+      select(w, n, o) for n, o, w in zip(s_leaves, jax.tree.leaves(old_state), s_where))
 
 
 def raise_if_stalled(stalled, limit: int, updates, params, new_state, old_state) -> None:

@@ -45,17 +45,14 @@ with fresh zeros, and the loss scale stays fixed within an accumulation.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Optional
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jmp_lite import _checks
-from jmp_lite import _elementwise
 from jmp_lite import _guard_state
 from jmp_lite._guard_state import LossScaleState
 from jmp_lite._guard_state import NonFinite
@@ -120,35 +117,6 @@ def _fp8_step_end(fp8, old_scale, new_scale):
   factor = (jnp.asarray(new_scale.loss_scale, jnp.float32)
             / jnp.asarray(old_scale.loss_scale, jnp.float32))
   return fp8.commit().rescale_gradients(factor)
-
-
-def _select(pred: jax.Array, new: Any, old: Any) -> Any:
-  """``jnp.where(pred, new, old)`` for one leaf; primitives for floating arrays
-  (`jmp_lite._elementwise`: tracing cost), ``jnp.where`` for anything else."""
-  if (isinstance(new, jax.Array) and is_inexact(new)
-      and (not isinstance(old, jax.Array) or old.dtype == new.dtype)):
-    return _elementwise.where(pred, new, old)
-  if not isinstance(old, jax.Array) and np.ndim(old) == 0:  # -0.0 for an int update: 0
-    old = jnp.full_like(new, old)
-  return jnp.where(pred, new, old)
-
-
-def _copy(apply, inputs: tuple) -> Optional[tuple]:
-  """``apply(*inputs)`` computed a second time, behind an ``optimization_barrier``
-  (see `jmp_lite._checks.COPY_FROM`); None where it has side effects.
-
-  A second copy of a callback (``jax.debug.print`` in the inner optimizer)
-  would run twice a step, so such a step is checked on its results.
-  """
-  closed, out_shape = jax.make_jaxpr(apply, return_shape=True)(*inputs)
-  if closed.effects:
-    return None
-  leaves = jax.tree.leaves(inputs)
-  at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-  for i, x in zip(at, jax.lax.optimization_barrier([leaves[i] for i in at])):
-    leaves[i] = x
-  outs = jex.core.jaxpr_as_fun(closed)(*leaves)
-  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 
 def _no_op_updates(update_fn) -> Any:
@@ -363,16 +331,11 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     false = jnp.array(False)
     bad = NonFinite(grads=~finite, updates=false, params=false, opt_state=false)
     if check_results:
-      # Large arrays are checked on a second copy of the step, computed from
-      # the same inputs behind a barrier (`_checks.COPY_FROM`), rather than on
-      # the results: see there. Only meaningful where the gradients were
+      # Large arrays are checked on a second computation of the step
+      # (`_checks.COPY_FROM`). Only meaningful where the gradients were
       # finite (else False).
-      checked_u, checked_s = updates, inner_state
-      copy = (_copy(apply, (grads, state.inner_state, params))
-              if _checks.any_copied((updates, inner_state)) else None)
-      if copy is not None:
-        checked_u = _checks.copied_from(copy[0], updates)
-        checked_s = _checks.copied_from(copy[1], inner_state)
+      checked_u, checked_s = _checks.checked_values(
+          apply, (grads, state.inner_state, params), updates, inner_state)
       u_bad, p_bad, s_bad = _checks.written_nonfinite(
           checked_u, params, checked_s, state.inner_state, finite)
       bad = bad._replace(updates=u_bad, params=p_bad, opt_state=s_bad)
@@ -386,18 +349,9 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     if max_stalled_steps is not None:
       _checks.raise_if_stalled(stalled, max_stalled_steps, updates, params,
                                inner_state, state.inner_state)
-    if check_results:
-      u_where, s_where = _checks.written_where(applied, updates, params, inner_state,
-                                               state.inner_state)
-    else:
-      u_where = s_where = itertools.repeat(applied)
-    u_leaves, u_tree = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
-    updates = u_tree.unflatten(u if u is None else _select(w, u, -0.0)
-                               for u, w in zip(u_leaves, u_where))
-    s_leaves, s_tree = jax.tree.flatten(inner_state)
-    inner_state = s_tree.unflatten(
-        _select(w, n, o) for n, o, w in zip(s_leaves, jax.tree.leaves(state.inner_state),
-                                            s_where))
+    updates, inner_state = _checks.select_written(
+        applied, updates, params, inner_state, state.inner_state,
+        per_element=check_results)
     dtype = state.grad_norm.dtype
     norm = jnp.minimum(info.norm.astype(dtype), jnp.finfo(dtype).max)
     new_scale = _guard_state.adjust(state.loss_scale, finite, measured)
