@@ -440,6 +440,17 @@ def test_pmap_one_poisoned_replica_makes_every_replica_skip():
   np.testing.assert_array_equal(scale, np.full(8, 2.0, np.float32))
 
 
+def test_every_array_checked_on_a_copy_of_the_step_under_shard_map_and_pmap(monkeypatch):
+  """The two tests above with every array checked on a second computation of
+  the step (`jmp_lite._checks.COPY_FROM` = 1; the model's arrays are below
+  the real threshold): the copy is traced per device, inside the mapped
+  function, its decision is every replica's."""
+  from jmp_lite import _checks
+  monkeypatch.setattr(_checks, "COPY_FROM", 1)
+  test_shard_map_data_parallel_matches_plain_one_device_run()
+  test_pmap_one_poisoned_replica_makes_every_replica_skip()
+
+
 def test_reduce_gradients_averages_in_reduce_dtype_and_returns_param_dtype():
   mesh = _mesh((8,), ("data",))
   grads = jax.device_put(jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3).astype(
