@@ -256,6 +256,8 @@ def with_more_consts(name: str, params, n: int) -> dict:
   """
   if "num_consts" in params:
     params = {**params, "num_consts": params["num_consts"] + n}
+    if "linear" in params:  # scan up to JAX 0.9: one flag per operand
+      params["linear"] = (False,) * n + tuple(params["linear"])
     if name == "custom_vjp_call" and n and "out_trees" in params:
       params["out_trees"] = _forwards_shifted(params["out_trees"], n)
     return params
