@@ -112,15 +112,18 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   # Normalise so that num / den is in [1, 2): 25 quotient bits, top one set.
   small = num < den
   num = jnp.where(small, num << 1, num)  # < 2**25
-  # Long division in chunks of 7 bits, each an int32 division: the
-  # remainder stays below den < 2**24, so `rem << 7` fits in 31 bits.
-  # lax.div and lax.rem truncate: on these non-negative operands they are
-  # floor division, without the sign corrections `//` and `%` compile to.
-  quot, rem = jax.lax.div(num, den), jax.lax.rem(num, den)  # the leading bit: 1
-  for bits in (7, 7, 7, 3):  # 1 + 24 quotient bits
-    shifted = rem << bits
-    digit = jax.lax.div(shifted, den)
-    quot, rem = (quot << bits) | digit, shifted - digit * den
+  # Restoring long division, one quotient bit at a time: 1 + 24 bits. Only
+  # compares, subtractions and shifts, which XLA fuses into one kernel with
+  # whatever reads the result; an integer division is an "expensive" op that
+  # XLA will not duplicate, so the four int32 divisions this was written
+  # with before each became a kernel of its own (six kernels a division, and
+  # on a CPU each distinct kernel costs ~15 ms of compile time). The
+  # remainder stays below den < 2**24, so `rem << 1` fits in 26 bits.
+  quot, rem = jnp.zeros_like(num), num
+  for _ in range(25):
+    bit = rem >= den
+    quot = (quot << 1) | bit.astype(jnp.int32)
+    rem = jnp.where(bit, rem - den, rem) << 1
   mant, round_bit = quot >> 1, quot & 1
   sticky = rem != 0
   up = (round_bit == 1) & (sticky | ((mant & 1) == 1))  # ties to even

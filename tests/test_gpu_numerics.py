@@ -116,6 +116,20 @@ def test_divide_is_correctly_rounded():
   assert same.all(), (a[~same][:5], b[~same][:5], got[~same][:5], want[~same][:5])
 
 
+def test_divide_compiles_to_one_kernel():
+  """No integer division either: XLA will not duplicate one into its readers,
+  so each became a kernel of its own (7 for one division on XLA:CPU), and
+  every distinct kernel costs compile time. Only cheap ops: one fusion."""
+  jaxpr = jax.make_jaxpr(_exact.divide)(jnp.float32(1), jnp.float32(3))
+  names = {e.primitive.name for e in _walk(jaxpr.jaxpr)}
+  assert not names & {"div", "rem"}, names
+  for shape in [(), (8,)]:
+    x = jnp.ones(shape, jnp.float32)
+    hlo = jax.jit(_exact.divide).lower(x, x).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert entry.count(" fusion(") == 1, entry
+
+
 def test_adjust_backs_off_by_three_as_the_reference_does():
   """The GPU gave 0.11111112 after two back-offs by 3 from 1.0; the model 1/3/3."""
   ls = jmp_lite.DynamicLossScale(jnp.float32(1.0), factor=3, min_loss_scale=0.0)
