@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import flax.linen as nn
@@ -38,8 +39,9 @@ DESCRIPTION = (
     "once: `jit(step).lower(*args)` (trace and lower) then `.compile()` "
     "(XLA), in an order that rotates from size to size, after one untimed "
     "compilation of every step at a tiny size (first-use imports, one-time "
-    "set-up). Counted: `reduce` instructions in the compiled HLO "
-    "(`compiled.as_text()`), and per parameter array. Targets, on all "
+    "set-up). Counted in the compiled HLO (`compiled.as_text()`): `reduce` "
+    "instructions (and per parameter array), fusions, and distinct kernels "
+    "(fused computations that differ in structure). Targets, on all "
     "hardware, for each family at every size (a target's value is its worst "
     "size): `TrainState.minimize` (f32 and bf16) traces, lowers and compiles "
     "in ≤ 2× the plain step's time and in less than the DynamicScale step's, "
@@ -205,9 +207,71 @@ def _measure(variant, module, x, y, seed) -> dict:
   text = compiled.as_text()
   arrays = len(jax.tree_util.tree_leaves(args[0].params if hasattr(args[0], "params")
                                          else args[0]))
+  fusions, kernels = kernel_counts(text)
   return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
           "reduces": text.count(" reduce("), "arrays": arrays,
-          "cached": bool(hits)}
+          "fusions": fusions, "kernels": kernels, "cached": bool(hits)}
+
+
+_COMPUTATION = re.compile(r"\n(?=(?:ENTRY )?%\S+ )")
+_FUSION = re.compile(r"%\S+ = .* fusion\(.*calls=%([\w.-]+)")
+_NAME = re.compile(r"%([\w.-]+)")
+
+
+def kernel_counts(text: str) -> tuple[int, int]:
+  """Fusion instructions in optimised HLO text, and how many differ in structure.
+
+  XLA compiles one kernel for fused computations that are the same but for
+  their names (XLA:CPU's kernel cache), so the structurally distinct ones,
+  rather than the fusions, are what its code generation pays for. Two
+  computations count as the same here if their instructions match line by
+  line once every name is replaced by its position and metadata dropped
+  (a parameter's number is kept: XLA's comparison keeps it too).
+  """
+  comps = {}
+  for chunk in _COMPUTATION.split(text):
+    m = re.match(r"(?:ENTRY )?%(\S+) ", chunk)
+    if m:
+      comps[m.group(1)] = chunk
+  fusions, shapes = 0, set()
+  for chunk in comps.values():
+    for line in chunk.split("\n"):
+      m = _FUSION.search(line)
+      if not m or m.group(1) not in comps:
+        continue
+      fusions += 1
+      names, body = {}, []
+      for inner in comps[m.group(1)].split("\n")[1:]:
+        if " = " not in inner:
+          continue
+        inner = re.sub(r", metadata=.*|/\*index=\d+\*/", "", inner).strip()
+        lhs, rhs = inner.split(" = ", 1)
+        names[lhs.replace("ROOT ", "").lstrip("%")] = f"v{len(names)}"
+        body.append(_NAME.sub(lambda n: names.get(n.group(1), "?"), rhs))
+      shapes.add("\n".join(body))
+  return fusions, len(shapes)
+
+
+def kernel_cost_ms(kernels: int = 40, rounds: int = 3) -> float:
+  """XLA's compile time per distinct kernel, in ms: a jit of ``kernels``
+  different scalar computations, each its own kernel (an integer division,
+  which XLA does not duplicate into its readers, ends each), against an
+  empty one; the median of ``rounds``."""
+  def make(k, seed):
+    def f(x, n):
+      return [x * ((n * (i + seed + 3)) // (n + i + 1)).astype(jnp.float32)
+              for i in range(k)]
+    return f
+
+  def compile_s(k, seed):
+    lowered = jax.jit(make(k, seed)).lower(jnp.ones((), jnp.float32), jnp.int32(7))
+    t0 = time.perf_counter()
+    lowered.compile()
+    return time.perf_counter() - t0
+
+  per = sorted((compile_s(kernels, r) - compile_s(0, r)) / kernels
+               for r in range(rounds))
+  return 1e3 * per[len(per) // 2]
 
 
 def run(ctx: harness.Context) -> SectionResult:
@@ -221,7 +285,9 @@ def run(ctx: harness.Context) -> SectionResult:
        Column("total", "total s", "{:.2f}"),
        Column("ratio", "vs plain", "ratio"),
        Column("reduces", "reduce ops", "{}"),
-       Column("per_array", "reduces per array", "{:.2f}")])
+       Column("per_array", "reduces per array", "{:.2f}"),
+       Column("fusions", "fusions", "{}"),
+       Column("kernels", "distinct kernels", "{}")])
   result = SectionResult(tables=[table])
   # Untimed: every step once at a tiny size, so that no measurement pays for
   # a first use (jmp_lite.flax and jmp_lite.optax are imported on first use).
@@ -256,7 +322,8 @@ def run(ctx: harness.Context) -> SectionResult:
         table.add(family=family, arrays=g["arrays"], variant=variant,
                   lower=g["lower_s"], compile=g["compile_s"], total=g["total_s"],
                   ratio=g["total_s"] / got[PLAIN]["total_s"],
-                  reduces=g["reduces"], per_array=g["reduces"] / g["arrays"])
+                  reduces=g["reduces"], per_array=g["reduces"] / g["arrays"],
+                  fusions=g["fusions"], kernels=g["kernels"])
         rows[(family, arrays, variant)] = g
   result.data = {f"{f}/{a}/{v}": g for (f, a, v), g in rows.items()}
 
@@ -297,6 +364,16 @@ def run(ctx: harness.Context) -> SectionResult:
       "step has the same model, so differences are the step's own. Each "
       "figure is a single compilation, not a median: under a shared "
       "machine's load it can move by tens of percent from run to run.")
+  per_kernel = kernel_cost_ms()
+  result.data["kernel_cost_ms"] = per_kernel
+  table.notes.insert(1,
+      "fusions: fusion instructions in the optimised HLO; distinct kernels: "
+      "those whose fused computations differ in structure (`kernel_counts`), "
+      "as XLA compiles one kernel for identical ones. On this machine XLA "
+      f"took {per_kernel:.1f} ms of compile time per distinct kernel "
+      "(`kernel_cost_ms`: 40 different scalar kernels against none), so the "
+      "distinct kernels a step adds, more than its reductions, set its "
+      "compile time at small sizes.")
   if cached:
     table.notes.append(
         f"{cached} of the compilations were read from JAX's persistent "
