@@ -102,7 +102,7 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   dtype = jnp.result_type(a, b)
   if np.dtype(dtype) != np.float32:
     return a / b
-  # lax.div and lax.rem below take operands of one shape.
+  # One shape for every op below: the result's.
   a, b = jnp.broadcast_arrays(a.astype(jnp.float32), b.astype(jnp.float32))
   ma, ea = frexp(jnp.abs(a))
   mb, eb = frexp(jnp.abs(b))
@@ -114,11 +114,11 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   num = jnp.where(small, num << 1, num)  # < 2**25
   # Restoring long division, one quotient bit at a time: 1 + 24 bits. Only
   # compares, subtractions and shifts, which XLA fuses into one kernel with
-  # whatever reads the result; an integer division is an "expensive" op that
-  # XLA will not duplicate, so the four int32 divisions this was written
-  # with before each became a kernel of its own (six kernels a division, and
-  # on a CPU each distinct kernel costs ~15 ms of compile time). The
-  # remainder stays below den < 2**24, so `rem << 1` fits in 26 bits.
+  # whatever reads the result. Integer division and remainder are
+  # "expensive" ops that XLA will not duplicate into their readers: written
+  # with four int32 divisions and a remainder, one division compiled to seven
+  # kernels, and on a CPU each distinct kernel costs ~20 ms of compile time.
+  # The remainder stays below den < 2**24, so `rem << 1` fits in 25 bits.
   quot, rem = jnp.zeros_like(num), num
   for _ in range(25):
     bit = rem >= den
