@@ -16,7 +16,9 @@ closed jaxpr of the equation, a Python function that computes what that
 jaxpr computes, rewritten. It must return values of the jaxpr's output
 types, except for the bodies of calls and checkpoints (`FREE_TYPED`), whose
 types may change: a call is inlined, and a checkpoint's body is traced at
-its operands' types.
+its operands' types. A pass that edits a call's body equation by equation,
+without tracing it (`jmp_lite._jaxpr.passes.sink`), gives it back with
+`with_body`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ def trace(fn: Callable[..., list], avals) -> tuple[Any, list]:
   if not closed.consts:
     return closed, []
   return core.ClosedJaxpr(_internals.constvars_to_invars(closed), ()), list(closed.consts)
+
+
+# Calls whose body `with_body` replaces: their one body is ``params["jaxpr"]``.
+CALLS = frozenset({"jit", "pjit"})
+
+
+def with_body(eqn, jaxpr, consts, invars, outvars):
+  """Call ``eqn`` (`CALLS`) with ``jaxpr``, closed over ``consts``, as its
+  body, reading ``invars`` and writing ``outvars``: a structural edit, with
+  no tracing (the body's types are the caller's to keep consistent)."""
+  if eqn.primitive.name not in CALLS:
+    raise ValueError(f"with_body: {eqn.primitive.name} is not a call ({sorted(CALLS)})")
+  return _internals.replace_eqn(
+      _internals.rewire(eqn, invars, outvars), eqn.primitive,
+      dict(eqn.params, jaxpr=_internals.closed(jaxpr, consts)))
 
 
 def _rewritten(closed, body: Body) -> tuple[Any, list]:

@@ -34,6 +34,8 @@ from jax import lax
 
 from jmp_lite import _dtypes
 from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr import rebind as _rebind
+from jmp_lite._jaxpr import traverse as _traverse
 
 # Ops whose result is a selection or a copy of their first operand's values,
 # whatever its dtype: the other operands (a gather's indices) are integers,
@@ -45,7 +47,7 @@ MOVES = frozenset({
     "broadcast_in_dim", "gather", "reshape", "squeeze", "expand_dims"})
 # Calls whose body sees its arguments as they are (``jnp.take`` is one): a
 # downcast argument becomes a wide one, downcast at the top of the body.
-CALLS = frozenset({"jit", "pjit"})
+CALLS = _rebind.CALLS
 # Elementwise ops that broadcast size-1 dimensions of an operand implicitly.
 BROADCASTING = frozenset({"add", "sub", "mul", "div", "max", "min", "add_any"})
 
@@ -82,8 +84,8 @@ def sink(eqns: list) -> list:
 
   def into_call(eqn):
     """``eqn`` (a ``jit`` call) taking the wide values, its body downcasting."""
-    closed = eqn.params["jaxpr"]
-    inner = closed.jaxpr
+    (region,) = _traverse.regions(eqn)
+    inner = region.jaxpr
     invars, outer, prelude = list(inner.invars), list(eqn.invars), []
     for i, v in enumerate(eqn.invars):
       if _is_var(v) and v in wide_of:
@@ -97,9 +99,7 @@ def sink(eqns: list) -> list:
     if not prelude:
       return eqn
     body = inner.replace(invars=invars, eqns=sink(prelude + list(inner.eqns)))
-    return _internals.replace_eqn(
-        _internals.rewire(eqn, outer, eqn.outvars), eqn.primitive,
-        dict(eqn.params, jaxpr=_internals.closed(body, closed.consts)))
+    return _rebind.with_body(eqn, body, region.consts, outer, eqn.outvars)
 
   def through_identity(eqn):
     """A ``jit`` call that returns its arguments (a telemetry mark,
@@ -110,8 +110,8 @@ def sink(eqns: list) -> list:
     mark reports in the dtype it was made in). Moving the downcast into the
     body instead, as for other calls, would leave it before those moves.
     """
-    closed = eqn.params["jaxpr"]
-    inner = closed.jaxpr
+    (region,) = _traverse.regions(eqn)
+    inner = region.jaxpr
     if inner.eqns or list(inner.outvars) != list(inner.invars):
       return False
     invars, outvars, after = list(eqn.invars), list(eqn.outvars), []
@@ -130,9 +130,7 @@ def sink(eqns: list) -> list:
       return False
     body_vars = [_internals.new_var(v.aval) for v in outvars]
     body = inner.replace(invars=body_vars, outvars=body_vars)
-    out.append(_internals.replace_eqn(
-        _internals.rewire(eqn, invars, outvars), eqn.primitive,
-        dict(eqn.params, jaxpr=_internals.closed(body, closed.consts))))
+    out.append(_rebind.with_body(eqn, body, region.consts, invars, outvars))
     out.extend(after)
     return True
 
