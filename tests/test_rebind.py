@@ -90,3 +90,20 @@ def test_the_hoisted_constants_are_counted_where_each_primitive_counts_them():
     assert len(new[0].invars) == len(eqn.invars) + outputs, name
     if key is not None:
       assert new[0].params[key] == eqn.params[key] + outputs, name
+
+
+def test_with_body_swaps_a_calls_body_without_tracing():
+  """A structural edit: the call runs the new body on its operands; the oracle
+  is JAX evaluating the edited program."""
+  closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) * 2)(jnp.float32(0.5))
+  (call,) = [e for e in closed.jaxpr.eqns if e.primitive.name in _rebind.CALLS]
+  doubled = jax.make_jaxpr(lambda x: x + x)(jnp.float32(0.5))
+  edited = _rebind.with_body(call, doubled.jaxpr, doubled.consts,
+                             call.invars, call.outvars)
+  program = _internals.replace_eqns(
+      closed.jaxpr, [edited if e is call else e for e in closed.jaxpr.eqns])
+  got = jax.core.eval_jaxpr(program, closed.consts, jnp.float32(0.5))
+  np.testing.assert_array_equal(got[0], np.float32(2.0))  # (0.5 + 0.5) * 2
+  scan = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c, c), x, None, 2))(1.0)
+  with pytest.raises(ValueError, match="not a call"):
+    _rebind.with_body(scan.jaxpr.eqns[0], doubled.jaxpr, (), [], [])
