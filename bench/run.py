@@ -25,6 +25,7 @@ import time
 _T0 = time.perf_counter()  # the wall time a user sees includes the imports
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
@@ -115,6 +116,12 @@ def main(argv=None) -> int:
     for name, module in SECTIONS.items():
       print(f"{name:12s} {module.TITLE}")
     return 0
+  if importlib.util.find_spec("jmp") is None:
+    # Several sections measure jmp itself: fail once, up front, not in each.
+    print("bench/run.py: the bench compares jmp_lite with jmp 0.0.4, which the "
+          "dev extra installs: .venv/bin/pip install -e \".[dev]\" (the "
+          "README's test command installs it).", file=sys.stderr)
+    return 2
   import jmp_lite.hardware
 
   hw = jmp_lite.hardware.describe()

@@ -19,6 +19,7 @@ To refresh a table: rerun the command its block names with ``--out-dir
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import pathlib
@@ -364,10 +365,16 @@ def render(readme: str) -> str:
 
 
 def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
+  parser = argparse.ArgumentParser(
+      description="Checks (or with --write rewrites) the README's generated "
+      "tables against the results they are rendered from. Exit status 1 if "
+      "README.md is stale.")
+  parser.add_argument("--write", action="store_true",
+                      help="rewrite the generated blocks of README.md")
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   text = README.read_text()
   new = render(text)
-  if "--write" in argv:
+  if args.write:
     README.write_text(new)
     return 0
   if new != text:

@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       description=__doc__.split("\n\n")[0], formatter_class=_firstrun.HelpFormatter,
       epilog="policies: " + "; ".join(f"{n} = {d}" for n, (_, d) in POLICIES.items()))
   parser.add_argument("--policies", default=DEFAULT_POLICIES,
-                      help=f"comma-separated policy names (all: {','.join(POLICIES)})")
+                      help=f"comma-separated policy names (all: {', '.join(POLICIES)})")
   parser.add_argument("--all-policies", action="store_true",
                       help=f"run every policy (about {_all_policies_ratio():.0f}x the "
                            "default's time)")
