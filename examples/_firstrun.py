@@ -150,18 +150,23 @@ CHAR_LM_CORPUS = "bytes of standard-library source to read (90%% train, 10%% val
 
 
 def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str],
-             steps: int, *, what: str = "training", other_s: float = 0.0) -> dict:
+             steps: int, *, what: str = "training", other_s: float = 0.0,
+             reference: tuple[str, Mapping[str, float]] = (
+                 REFERENCE_MACHINE, REFERENCE_GFLOPS)) -> dict:
   """Prints the hardware notice and a time estimate; returns the probe's figures.
 
   Args:
     timings: per policy name, (seconds to compile, milliseconds per step)
-      measured with the example's defaults on `REFERENCE_MACHINE`.
+      measured with the example's defaults on the reference machine.
     policies: the policies about to run (names of `timings`).
     steps: training steps per policy.
     what: what the estimate covers.
     other_s: seconds per policy outside the training steps (evaluation,
       calibration, their compilations), measured on this project's machines;
       when given, the estimate also says how long the run takes in all.
+    reference: the machine ``timings`` were measured on, and its matmul
+      GFLOP/s per compute dtype (`jmp_lite.hardware.measure_matmuls`):
+      `REFERENCE_MACHINE` unless an example measured elsewhere.
   """
   import jmp_lite.hardware  # imports JAX: after argument parsing
 
@@ -176,7 +181,7 @@ def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str]
     dtype = _compute_dtype(name)
     # Slower matmuls here than on the reference: proportionally longer steps.
     # A floor of 1 ms a step: dispatch and host work do not shrink on a GPU.
-    scale = REFERENCE_GFLOPS[dtype] / measured[dtype]
+    scale = reference[1][dtype] / measured[dtype]
     total += compile_s + steps * max(step_ms * scale, 1.0) / 1e3
   print(hardware.advice(measured))
   busy = _busy()
@@ -185,9 +190,9 @@ def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str]
   in_all = f", about {_duration(total + other_s * len(policies))} in all" if other_s else ""
   print(f"Estimated {what} time here: about {_duration(total)}{in_all} "
         f"({len(policies)} {'policy' if len(policies) == 1 else 'policies'} × "
-        f"{steps} steps; rough: timings from {REFERENCE_MACHINE}, scaled by "
-        f"the matmul speed measured above in "
-        f"{time.perf_counter() - started:.1f} s).\n", flush=True)
+        f"{steps} steps; rough: timings from {reference[0]}, scaled by "
+        f"this machine's {'/'.join(_short(d) for d in dtypes)} matmul speed, "
+        f"measured in {time.perf_counter() - started:.1f} s).\n", flush=True)
   import jax
   return {"hardware": hardware.headline(), "matmul_gflops": measured,
           "estimated_seconds": round(total, 1),
@@ -199,6 +204,10 @@ def announce(timings: Mapping[str, tuple[float, float]], policies: Sequence[str]
 # When `announce` started: `write_summary` records the seconds since, the run
 # the estimate is for, so that each summary holds both.
 _ANNOUNCED = None
+
+
+def _short(dtype: str) -> str:
+  return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
 
 
 def _load_average():

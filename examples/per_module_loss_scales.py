@@ -47,10 +47,13 @@ VARIANTS = ("float32", "dynamic", "underflow_aware", "automatic", "per_module")
 POLICY = "p=f32,c=f16,o=f32"
 # Seconds to compile and milliseconds per step (the underflow measurements
 # included) with the defaults, per variant. Measured on a 2-core
-# avx512_bf16 EPYC (class A), not on _firstrun.REFERENCE_MACHINE: an
-# estimate on an AVX2-only machine may come out short.
+# avx512_bf16 EPYC (class A), not on _firstrun.REFERENCE_MACHINE: the
+# estimate scales them by that machine's float32 matmul speed (the bench's
+# probe there: bench/results/guard-compile.md); on an AVX2-only machine it
+# may come out short.
 TIMINGS = {"float32": (1.5, 2.0), "dynamic": (1.5, 1.3), "underflow_aware": (4.0, 3.5),
            "automatic": (4.0, 3.6), "per_module": (3.0, 3.0)}
+REFERENCE = ("2-core AMD EPYC with avx512_bf16 (class A), JAX 0.10.2", {"float32": 175.6})
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -229,7 +232,7 @@ def train(args, variant, data):
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  probe = _firstrun.announce(TIMINGS, args.variants, args.steps)
+  probe = _firstrun.announce(TIMINGS, args.variants, args.steps, reference=REFERENCE)
   digits = load_digits()
   x = (digits.data / 16.0).astype(np.float32)
   perm = np.random.RandomState(args.seed).permutation(len(x))
