@@ -234,3 +234,16 @@ def test_the_gpu_script_records_the_device_and_splits_the_bench(tmp_path):
                           env=env).stdout.split("\n")
   names = [line.split()[0] for line in listed if line.strip()]
   assert set(SECTIONS) <= set(names)
+
+
+def test_kernel_counts_count_identical_fused_computations_once():
+  """XLA compiles one kernel for fused computations that differ only in names;
+  the compile section's distinct-kernel column counts them so."""
+  import jax
+  import jax.numpy as jnp
+  from bench.sections.compile_time import kernel_counts
+  x = jnp.ones(8)
+  same = jax.jit(lambda a, b: (jnp.sin(a) * 2 + 1, jnp.sin(b) * 2 + 1))
+  other = jax.jit(lambda a, b: (jnp.sin(a) * 2 + 1, jnp.cos(b) * 3))
+  assert kernel_counts(same.lower(x, x).compile().as_text()) == (2, 1)
+  assert kernel_counts(other.lower(x, x).compile().as_text()) == (2, 2)
