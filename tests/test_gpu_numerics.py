@@ -123,6 +123,8 @@ def test_divide_compiles_to_one_kernel():
   jaxpr = jax.make_jaxpr(_exact.divide)(jnp.float32(1), jnp.float32(3))
   names = {e.primitive.name for e in _walk(jaxpr.jaxpr)}
   assert not names & {"div", "rem"}, names
+  if jax.default_backend() != "cpu":
+    return  # the kernel count below is XLA:CPU's (measured there)
   for shape in [(), (8,)]:
     x = jnp.ones(shape, jnp.float32)
     hlo = jax.jit(_exact.divide).lower(x, x).compile().as_text()
