@@ -233,7 +233,7 @@ def kernel_counts(text: str) -> tuple[int, int]:
     m = re.match(r"(?:ENTRY )?%(\S+) ", chunk)
     if m:
       comps[m.group(1)] = chunk
-  fusions, shapes = 0, set()
+  fusions, structures = 0, set()
   for chunk in comps.values():
     for line in chunk.split("\n"):
       m = _FUSION.search(line)
@@ -248,8 +248,8 @@ def kernel_counts(text: str) -> tuple[int, int]:
         lhs, rhs = inner.split(" = ", 1)
         names[lhs.replace("ROOT ", "").lstrip("%")] = f"v{len(names)}"
         body.append(_NAME.sub(lambda n: names.get(n.group(1), "?"), rhs))
-      shapes.add("\n".join(body))
-  return fusions, len(shapes)
+      structures.add("\n".join(body))
+  return fusions, len(structures)
 
 
 def kernel_cost_ms(kernels: int = 40, rounds: int = 3) -> float:
