@@ -162,6 +162,39 @@ def test_variables_are_the_models_both_ways(name, policy):
   np.testing.assert_array_equal(jax.jit(model.apply)(mine, *args), ref)
 
 
+class Constants(nn.Module):
+  """Variables made from constants, as Flax's decoding attention makes its
+  ``cache_index`` and as published models make scalar parameters."""
+
+  @nn.compact
+  def __call__(self, x):
+    self.variable("cache", "index", lambda: jnp.array(0, jnp.uint32))
+    self.variable("stats", "count", lambda: jnp.zeros((), jnp.int32))
+    scale = self.param("scale", lambda _: jnp.array(1.0))
+    return nn.Dense(4)(x) * scale
+
+
+@pytest.mark.parametrize("policy", POLICIES + ("O1",))
+def test_init_returns_arrays_as_the_models_init_does(policy):
+  """Leaves of the wrapped ``init`` are `jax.Array`s with Flax's dtypes, not
+  the constants of a jaxpr (which have no ``sharding`` and make a second jit
+  cache entry). Other collections keep their weak types too; parameters are
+  cast to the parameter dtype, which makes a weak ``jnp.array(1.0)`` strong
+  (as the first optimizer update would)."""
+  x = jnp.ones((2, 4))
+  mine = jmp_lite.flax.wrap(Constants(), policy).init(jax.random.key(0), x)
+  theirs = Constants().init(jax.random.key(0), x)
+  describe = lambda a: (type(a), a.dtype, a.shape)  # pylint: disable=unnecessary-lambda-assignment
+  assert jax.tree.map(describe, mine) == jax.tree.map(describe, theirs)
+  weak = lambda v: {c: jax.tree.map(lambda a: a.weak_type, v[c]) for c in v if c != "params"}  # pylint: disable=unnecessary-lambda-assignment
+  assert weak(mine) == weak(theirs)
+  mine["cache"]["index"].block_until_ready()  # an array's method
+  step = jax.jit(lambda v: jax.tree.map(lambda a: a + 1, v))
+  step(mine)
+  step(jax.tree.map(jnp.array, mine))  # copies: arrays of the same types
+  assert step._cache_size() == 1  # pylint: disable=protected-access
+
+
 def test_a_shared_embedding_stays_one_embedding():
   model = jmp_lite.flax.wrap(Seq2Seq(), "p=f32,c=bf16,o=f32")
   variables = model.init(jax.random.key(0), *MODELS["seq2seq"][1])

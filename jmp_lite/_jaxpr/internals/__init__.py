@@ -19,6 +19,7 @@ private API named above. Callers import this package, not its modules.
 """
 
 from jmp_lite._jaxpr.internals.jaxprs import all_primitives
+from jmp_lite._jaxpr.internals.jaxprs import as_output
 from jmp_lite._jaxpr.internals.jaxprs import bind
 from jmp_lite._jaxpr.internals.jaxprs import BWD_FUN
 from jmp_lite._jaxpr.internals.jaxprs import closed
@@ -62,6 +63,7 @@ from jmp_lite._jaxpr.internals.rules import define_remat_as
 
 __all__ = (
     "all_primitives",
+    "as_output",
     "bind",
     "BWD_FUN",
     "closed",

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
 
 from jmp_lite._jaxpr.internals import rules
 
@@ -73,7 +75,8 @@ def eval_jaxpr(jaxpr, consts, args, eval_eqn) -> list[Any]:
   ``eval_eqn(eqn, invals)`` returns what ``eqn``'s bind would. Each equation
   runs in its own source and name-stack context (`eqn_context`), so rewritten
   equations keep the user's line for `jmp_lite.audit`. Relies on `Literal.val`
-  and `DropVar`.
+  and `DropVar`. An output the jaxpr holds as a constant comes back as the
+  `jax.Array` that ``jax.jit`` would return (`as_output`).
   """
   env: dict[Any, Any] = {}
 
@@ -93,7 +96,25 @@ def eval_jaxpr(jaxpr, consts, args, eval_eqn) -> list[Any]:
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, DropVar):
         env[v] = x
-  return [read(v) for v in jaxpr.outvars]
+  return [as_output(read(v), v.aval) for v in jaxpr.outvars]
+
+
+def as_output(x, aval):
+  """``x`` as a program output: a `jax.Array` (or tracer) of type ``aval``.
+
+  A literal output (``jnp.array(0, jnp.uint32)`` as a Flax cache index) is
+  JAX's own subclass of a NumPy array or a Python scalar (`Literal.val`, also
+  what `jax.extend.core.jaxpr_as_fun` returns for it), with no ``sharding``
+  or ``block_until_ready``, and a second jit cache entry wherever it is
+  passed in place of an array. Made an array of ``aval``'s dtype and weak
+  type, as ``jax.jit`` returns it.
+  """
+  if isinstance(x, jax.Array) or not isinstance(
+      x, (np.ndarray, np.generic, bool, int, float, complex)):
+    return x
+  if getattr(aval, "weak_type", False):
+    return convert_weak(np.asarray(x), aval.dtype)
+  return jnp.asarray(x, dtype=aval.dtype)
 
 
 def shard_map_call(eqn, body: Callable[..., Any], args):

@@ -278,11 +278,11 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
       static_out["tree"] = (out_tree, len(out_leaves))
       return arrays
 
-    closed = jax.make_jaxpr(split_out)(*dynamic)
-    arrays = iter(jex.core.jaxpr_as_fun(rewrite(
-        closed, strict=strict, islands=islands, reduce_dtype=reduce_dtype,
-        sink=sink))(
-        *dynamic))
+    closed = rewrite(jax.make_jaxpr(split_out)(*dynamic), strict=strict,
+                     islands=islands, reduce_dtype=reduce_dtype, sink=sink)
+    # Evaluated eagerly (``cache=False``), a constant output is a literal.
+    arrays = iter(map(_internals.as_output, jex.core.jaxpr_as_fun(closed)(*dynamic),
+                      closed.out_avals))
     out_tree, n = static_out.pop("tree")
     out = [static_out[i] if i in static_out else next(arrays) for i in range(n)]
     return jax.tree_util.tree_unflatten(out_tree, out)
