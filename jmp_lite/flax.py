@@ -13,7 +13,9 @@
 * ``rules`` give other policies to module classes or module paths; by default
   LayerNorm, RMSNorm, BatchNorm and GroupNorm (Linen and NNX) run, and keep
   their statistics, in float32;
-* other collections (``batch_stats``, RNG counters...) are never cast.
+* other collections (``batch_stats``, RNG counters...) are never cast; state
+  a module builds from what it computes (a decoding cache) is made in its
+  compute dtype, as Flax's own modules of that dtype make it.
 
 Design. The policy lives in the wrapper, never in a registry:
 
@@ -81,9 +83,11 @@ from typing import Any, Optional
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
+from jmp_lite import _dtypes
 from jmp_lite._flax_rules import default_rules
 from jmp_lite._flax_rules import dtype_overrides
 from jmp_lite._flax_rules import fp8_scope
@@ -260,11 +264,17 @@ class _LinenWrapper(nn.Module):
     """`flax.linen.Module.apply` under the rules. ``fp8``: an
     `jmp_lite.fp8.Fp8State` from training, whose scales the fp8 matmuls then
     run with (inference; `jmp_lite.fp8.forward`)."""
-    if fp8 is not None:
-      from jmp_lite._jaxpr.passes import instrument as _instrument  # pylint: disable=g-import-not-at-top
-      return _instrument.forward(lambda v, *a, **k: self._run("apply", v, *a, **k),
-                                 fp8, variables, *args, **kwargs)
-    return self._run("apply", variables, *args, **kwargs)
+    try:
+      if fp8 is not None:
+        from jmp_lite._jaxpr.passes import instrument as _instrument  # pylint: disable=g-import-not-at-top
+        return _instrument.forward(lambda v, *a, **k: self._run("apply", v, *a, **k),
+                                   fp8, variables, *args, **kwargs)
+      return self._run("apply", variables, *args, **kwargs)
+    except TypeError as e:
+      hint = _state_dtype_hint(e, variables, self.rules.policy)
+      if hint is None:
+        raise
+      raise TypeError(f"{e}\n\n{hint}") from e
 
   @nn.nowrap
   def _run(self, entry: str, *args, **kwargs):
@@ -280,6 +290,36 @@ class _LinenWrapper(nn.Module):
     else:
       run = getattr(nn.Module, entry)
     return run(self, *args, **kwargs)
+
+
+def _state_dtype_hint(error, variables, policy: Policy) -> Optional[str]:
+  """What to do when a model's own state meets a value computed under the
+  policy in an operation that takes one dtype (``lax.dynamic_update_slice``
+  writing a decoding cache): None when the error is another, or no
+  collection but the parameters holds a float dtype other than the
+  compute dtype."""
+  if "requires arguments to have the same dtypes" not in str(error):
+    return None
+  compute = np.dtype(policy.compute_dtype)
+  found = {}
+  if isinstance(variables, Mapping):
+    for collection, tree in variables.items():
+      if collection == "params":
+        continue
+      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _dtypes.is_floating(leaf) and np.dtype(leaf.dtype) != compute:
+          found.setdefault(collection, (jax.tree_util.keystr(path), leaf.dtype))
+  if not found:
+    return None
+  where = "; ".join(f"{c!r}: {p} is {d}" for c, (p, d) in found.items())
+  return (
+      f"jmp_lite.flax.wrap: the variables passed to apply hold floats other "
+      f"than the compute dtype {compute} outside 'params' ({where}). Under "
+      f"wrap a module computes in its policy's compute dtype, and state it "
+      f"builds from what it computes (a decoding cache's keys and values) is "
+      f"made in that dtype by the wrapped model's init, as Flax's own "
+      f"{compute} modules make it. Make that collection with the wrapped "
+      f"model's init (wrapped.init(...)[collection]) or cast it to {compute}.")
 
 
 @dataclasses.dataclass(frozen=True)

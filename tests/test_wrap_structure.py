@@ -195,6 +195,45 @@ def test_init_returns_arrays_as_the_models_init_does(policy):
   assert step._cache_size() == 1  # pylint: disable=protected-access
 
 
+class CachedAttention(nn.Module):
+  """Flax's attention decoding one token at a time from its cache."""
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.MultiHeadDotProductAttention(num_heads=2, decode=True, dtype=self.dtype)(x, x)
+
+
+@pytest.mark.parametrize("policy", list(HALF))
+def test_a_decoding_cache_is_the_compute_dtype_models_cache(policy):
+  """The wrapped model's cache is the one Flax's own model of the compute
+  dtype makes; decoding with it gives the float32 model's outputs (to the
+  compute dtype's precision). A float32 cache from the model's own init is
+  refused with what to do, naming the collection and the path."""
+  compute = jnp.bfloat16 if HALF[policy] == "bf16" else jnp.float16
+  x = jax.random.normal(jax.random.key(1), (1, 4, 8))
+  model, wrapped = CachedAttention(), jmp_lite.flax.wrap(CachedAttention(), policy)
+  variables = model.init(jax.random.key(0), x)
+  mine = wrapped.init(jax.random.key(0), x)
+  flax_half = CachedAttention(dtype=compute).init(jax.random.key(0), x)
+  describe = lambda a: (a.shape, a.dtype)  # pylint: disable=unnecessary-lambda-assignment
+  assert jax.tree.map(describe, mine["cache"]) == jax.tree.map(describe, flax_half["cache"])
+  chex.assert_trees_all_equal(mine["params"], variables["params"])
+  ours, theirs = {**mine}, {**variables}
+  decode = jax.jit(functools.partial(wrapped.apply, mutable=["cache"]))
+  decode_ref = jax.jit(functools.partial(model.apply, mutable=["cache"]))
+  for t in range(x.shape[1]):
+    out, cache = decode(ours, x[:, t:t + 1])
+    ours = {**ours, **cache}
+    ref, cache = decode_ref(theirs, x[:, t:t + 1])
+    theirs = {**theirs, **cache}
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
+  with pytest.raises(TypeError, match=r"'cache': \['MultiHeadDotProductAttention_0'\]"
+                     r"\['cached_key'\] is float32.*wrapped model's init"):
+    wrapped.apply(variables, x[:, :1], mutable=["cache"])
+
+
 def test_a_shared_embedding_stays_one_embedding():
   model = jmp_lite.flax.wrap(Seq2Seq(), "p=f32,c=bf16,o=f32")
   variables = model.init(jax.random.key(0), *MODELS["seq2seq"][1])
