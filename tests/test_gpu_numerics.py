@@ -216,9 +216,7 @@ def test_all_finite_reads_narrow_values_computed_in_the_program(dtype):
   assert bool(f(jnp.full(3, 0.25)))
 
 
-# float16's case (about 20 s, emulated float16 on a CPU) runs in the heavy tier.
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)],
-                         ids=["bf16", "f16"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_kahan_does_not_stall_under_excess_precision(dtype):
   """1.0 + 200 x 1e-3: the GPU's Kahan stalled at 1.0 in bfloat16."""
   params = {"w": jnp.ones(4, dtype)}
@@ -230,7 +228,10 @@ def test_kahan_does_not_stall_under_excess_precision(dtype):
     with jax.numpy_dtype_promotion("standard"):
       return optax.apply_updates(params, updates), state
 
-  step = excess_precision(step)
+  # The emulation traced once and compiled: the same trajectory as run
+  # equation by equation (checked bitwise, 200 steps, both dtypes), in 50 ms
+  # instead of 12 s; the pre-0e1f28d Kahan update still stalls at 1.0 under it.
+  step = jax.jit(excess_precision(step))
   exact = np.float32(1)
   for _ in range(200):
     params, state = step(params, state)
