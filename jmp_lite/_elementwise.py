@@ -50,8 +50,10 @@ def add_rounded(p: Any, u: Any) -> jax.Array:
   """``p + u`` in the wider of the two dtypes, rounded once to ``p``'s dtype:
   what ``optax.apply_updates`` computes under standard promotion, whatever
   the promotion mode."""
-  if not (isinstance(p, jax.Array) and isinstance(u, jax.Array)) or p.weak_type or u.weak_type:
-    # Python numbers, NumPy arrays, weak types: JAX's own promotion.
+  if (not (isinstance(p, jax.Array) and isinstance(u, jax.Array)) or p.weak_type
+      or u.weak_type or p.dtype == np.bool_):
+    # Python numbers, NumPy arrays, weak types, booleans (``lax.add`` has no
+    # boolean form; JAX's ``+`` is a logical or): JAX's own promotion.
     with jax.numpy_dtype_promotion("standard"):
       return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
   wide = _promoted(np.dtype(p.dtype), np.dtype(u.dtype))

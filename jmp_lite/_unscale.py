@@ -234,6 +234,21 @@ def fill_updates(updates: Any, like: Any) -> Any:
   return jax.tree.map(one, updates, like, is_leaf=lambda u: u is None)
 
 
+def numbers_as_arrays(tree: Any) -> Any:
+  """``tree`` with Python numbers and NumPy arrays as the `jax.Array`s a step
+  writes back for them (``optax.apply_updates`` makes ``1.5`` a float32
+  array): float32, complex64, int32 and bool, strongly typed."""
+  def one(x):
+    if isinstance(x, (bool, np.ndarray, np.generic)):
+      return jnp.asarray(x)
+    if isinstance(x, (int, float, complex)):
+      kind = jnp.int32 if isinstance(x, int) else (
+          jnp.float32 if isinstance(x, float) else jnp.complex64)
+      return jnp.asarray(x, kind)
+    return x
+  return jax.tree.map(one, tree)
+
+
 def strongly_typed(tree: Any) -> Any:
   """``tree`` with weakly typed leaves (from Python scalars) made strongly typed.
 

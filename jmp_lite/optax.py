@@ -273,6 +273,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
   k = int(accumulate_steps)
 
   def init(params):
+    params = _unscale.numbers_as_arrays(params)
     if _checks.inside_multisteps():
       raise ValueError(
           "with_loss_scale inside optax.MultiSteps: MultiSteps keeps a NaN "
@@ -377,6 +378,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
           "with_loss_scale.update: this state was made by a with_loss_scale "
           f"with a different accumulate_steps (this one has {k}).")
     if params is not None:
+      params = _unscale.numbers_as_arrays(params)
       _checks.grads_match_params(grads, params)
     if (_checks.is_concrete((grads, state, params))
         and _checks.is_concrete(extra_args, numbers=False)):

@@ -24,6 +24,7 @@ from jmp_lite import _guard_state
 from jmp_lite._jaxpr.passes import plan as _plan
 from jmp_lite import _replicas
 from jmp_lite import _scaled_grad
+from jmp_lite import _unscale
 from jmp_lite import distributed
 from jmp_lite.fp8 import Fp8State
 from jmp_lite import loss_scale as ls_lib
@@ -294,12 +295,10 @@ class TrainState(flax.struct.PyTreeNode):
       **kwargs: further fields of a subclass.
     """
     policy = get_policy(policy) if policy is not None else None
-    # Python numbers become arrays (float32, int32), strongly typed: what a
-    # step writes back, so the state's types do not change after the first
-    # step (which would compile it twice).
-    params = jax.tree.map(
-        lambda x: jnp.asarray(x, jnp.int32 if isinstance(x, int) else jnp.float32)
-        if isinstance(x, (int, float)) and not isinstance(x, bool) else x, params)
+    # Python numbers and weakly typed arrays become strongly typed arrays:
+    # what a step writes back, so the state's types do not change after the
+    # first step (which would compile it twice).
+    params = _unscale.strongly_typed(_unscale.numbers_as_arrays(params))
     if policy is not None:
       params = policy.cast_to_param(params)
     if loss_scale is None:

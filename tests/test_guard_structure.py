@@ -156,6 +156,59 @@ def test_minimize_takes_integer_and_python_float_leaves():
   np.testing.assert_allclose(new.params["c"], ref["c"], rtol=1e-6)
 
 
+@pytest.mark.usefixtures("standard_promotion")
+@pytest.mark.parametrize("mask", [jnp.array([True, False, True]), jnp.array([1, 0, 1])],
+                         ids=["bool", "int"])
+def test_minimize_takes_a_mask_kept_with_the_parameters(mask):
+  """A boolean mask in the parameters gets a float0 gradient and stays (``lax.add``
+  has no boolean form: the step raised); the rest trains as optax trains it."""
+  loss = lambda p: jnp.sum((p["w"] * p["m"]) ** 2)
+  state = jmp_lite.TrainState.create(apply_fn=None, params={"w": jnp.ones(3), "m": mask},
+                                     tx=optax.adam(0.1))
+  new, info = jax.jit(lambda s: s.minimize(loss))(state)
+  assert not bool(info.skipped)
+  assert_trees_bitwise_equal(new.params["m"], mask)
+  opt = optax.adam(0.1)
+  g = jax.grad(loss, allow_int=True)({"w": jnp.ones(3), "m": mask})["w"]
+  want = optax.apply_updates(jnp.ones(3), opt.update(g, opt.init(jnp.ones(3)))[0])
+  np.testing.assert_allclose(new.params["w"], want, rtol=1e-6)
+
+
+@pytest.mark.usefixtures("standard_promotion")
+@pytest.mark.parametrize("accumulate_steps", [1, 2])
+def test_the_optimizer_takes_python_numbers_as_optax_does(accumulate_steps):
+  """Parameters given as Python floats (``jax.grad`` takes them) train as in
+  optax; the optimizer saw None for them and raised inside adam."""
+  params = {"w": 1.5, "v": jnp.ones(2), "n": 3}
+  loss = lambda p: p["w"] ** 2 + jnp.sum(p["v"] ** 2)
+  grads = jax.grad(loss, allow_int=True)(params)
+  tx = jo.with_loss_scale(optax.adam(0.1), jmp_lite.NoOpLossScale(),
+                          accumulate_steps=accumulate_steps)
+  state = tx.init(params)
+  for _ in range(accumulate_steps):
+    updates, state = tx.update(grads, state, params)
+  ref = optax.adam(0.1)
+  plain = {"w": params["w"], "v": params["v"]}
+  want, _ = ref.update({"w": grads["w"], "v": grads["v"]}, ref.init(plain), plain)
+  got = optax.apply_updates(params, updates)
+  np.testing.assert_allclose(got["w"], optax.apply_updates(plain, want)["w"], rtol=1e-6)
+  np.testing.assert_allclose(got["v"], optax.apply_updates(plain, want)["v"], rtol=1e-6)
+  assert int(got["n"]) == 3
+
+
+@pytest.mark.parametrize("w", [jnp.asarray(1.5), np.ones(2, np.float32)],
+                         ids=["weak_scalar", "numpy"])
+def test_create_stores_what_the_step_writes_back(w):
+  """A weakly typed or NumPy parameter is stored as the strongly typed
+  `jax.Array` the step returns: one compilation, not two."""
+  state = jmp_lite.TrainState.create(apply_fn=None, params={"w": w}, tx=optax.sgd(0.1))
+  assert isinstance(state.params["w"], jax.Array) and not state.params["w"].weak_type
+  step = jax.jit(lambda s: s.minimize(lambda p: jnp.sum(p["w"] ** 2))[0])
+  with count_compilations() as compiled:
+    step(step(state))
+  assert len(compiled) == 1
+
+
 @pytest.mark.parametrize("make", [
     lambda v: jmp_lite.StaticLossScale(v),
     lambda v: jmp_lite.DynamicLossScale(v, min_loss_scale=0.0)])
