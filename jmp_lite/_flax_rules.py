@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import warnings
 from collections.abc import Mapping
+from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import bridge
 
+from jmp_lite import _dtypes
 from jmp_lite._dtypes import is_narrow_float
 from jmp_lite._jaxpr import fp8_sites as _fp8_sites
 from jmp_lite._jaxpr import probes as _probes
@@ -261,3 +265,48 @@ def _floating_dtype(value) -> bool:
     return bool(jnp.issubdtype(np.dtype(value), jnp.floating))
   except TypeError:
     return False
+
+
+def warn_if_bridged(module, path: str, policy: Policy) -> None:
+  """Warns that ``module``, an NNX module held through
+  `flax.nnx.bridge.ToLinen`, runs as its own code says: the Linen wrapper
+  casts its inputs but does not enter it."""
+  if isinstance(module, bridge.ToLinen) and is_narrow_float(policy.compute_dtype):
+    name = getattr(module.nnx_class, "__name__", module.nnx_class)
+    warnings.warn(
+        f"jmp_lite.flax.wrap: {path or 'the model'} is an NNX module held "
+        f"through flax.nnx.bridge.ToLinen ({name}), which wrap does not "
+        f"enter: it gets its inputs in {np.dtype(policy.compute_dtype)} and "
+        "runs at the dtypes its own code gives (float32 parameters make its "
+        "matmuls float32). Give the NNX module the policy's dtype=, or wrap "
+        "the NNX model itself.", UserWarning, stacklevel=3)
+
+
+def state_dtype_hint(error, variables, policy: Policy) -> Optional[str]:
+  """What to do when a model's own state meets a value computed under the
+  policy in an operation that takes one dtype (``lax.dynamic_update_slice``
+  writing a decoding cache): None when the error is another, or no
+  collection but the parameters holds a float dtype other than the
+  compute dtype."""
+  if "requires arguments to have the same dtypes" not in str(error):
+    return None
+  compute = np.dtype(policy.compute_dtype)
+  found = {}
+  if isinstance(variables, Mapping):
+    for collection, tree in variables.items():
+      if collection == "params":
+        continue
+      for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _dtypes.is_floating(leaf) and np.dtype(leaf.dtype) != compute:
+          found.setdefault(collection, (jax.tree_util.keystr(path), leaf.dtype))
+  if not found:
+    return None
+  where = "; ".join(f"{c!r}: {p} is {d}" for c, (p, d) in found.items())
+  return (
+      f"jmp_lite.flax.wrap: the variables passed to apply hold floats other "
+      f"than the compute dtype {compute} outside 'params' ({where}). Under "
+      f"wrap a module computes in its policy's compute dtype, and state it "
+      f"builds from what it computes (a decoding cache's keys and values) is "
+      f"made in that dtype by the wrapped model's init, as Flax's own "
+      f"{compute} modules make it. Make that collection with the wrapped "
+      f"model's init (wrapped.init(...)[collection]) or cast it to {compute}.")

@@ -16,6 +16,7 @@ import functools
 import jax
 import numpy as np
 from flax import nnx
+from flax.nnx import bridge
 
 from jmp_lite._flax_rules import dtype_overrides
 from jmp_lite._flax_rules import fp8_scope
@@ -27,6 +28,7 @@ from jmp_lite._flax_rules import tap_and_cast
 from jmp_lite._jaxpr import internals as _internals
 from jmp_lite._jaxpr.passes import engine as _engine
 from jmp_lite._jaxpr import probes as _probes
+from jmp_lite._linen import _LinenWrapper
 from jmp_lite.policy import Policy
 
 @functools.cache
@@ -38,19 +40,19 @@ def _casting_class(cls: type) -> type:
   """
 
   def __call__(self, *args, **kwargs):
-    policy, stack, path = self._jmp_lite_policy, self._jmp_lite_stack, self._jmp_lite_path
+    policy, stack, path, scope = getattr(self, _internals.OWN_ATTRIBUTE)
     # The calling module's (policy, path), if a wrapped module called this one.
     caller, outer = stack[-1] if stack else (None, None)
     given = args
     args, kwargs = policy.cast_to_compute((args, kwargs))
     stack.append((policy, path))
     try:
-      with jax.named_scope(_scope_name(self, path, outer)), self._jmp_lite_fp8_scope():
+      with jax.named_scope(_scope_name(self, path, outer)), scope():
         out = cls.__call__(self, *args, **kwargs)
     finally:
       stack.pop()
     # In a telemetry trace only (see `tap_and_cast`).
-    out = tap_and_cast(out, self._jmp_lite_path, caller, policy)
+    out = tap_and_cast(out, path, caller, policy)
     return keep_carry(given, out)
 
   return type(cls.__name__, (cls,), {"__call__": __call__,
@@ -144,7 +146,20 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
   copy = nnx.merge(graphdef, state)
   policies = _policies(rules, copy)
   stack = []
+  # Linen models held through `flax.nnx.bridge.ToNNX` run under a Linen
+  # wrapper with the same rules (its paths seen from this model's root),
+  # which casts their parameters per module (norms in float32). Under
+  # op-level autocast no module casts: they run as written.
+  bridges = [] if rules.policy.autocast_dtype is not None else [
+      tuple(path) for path, node in nnx.iter_graph(copy)
+      if isinstance(node, bridge.ToNNX)]
   for path, node in list(nnx.iter_graph(copy)):
+    if any(tuple(path[:len(b)]) == b for b in bridges):
+      if isinstance(node, bridge.ToNNX):
+        _internals.set_attributes(node, to_nnx__module=_LinenWrapper(
+            node.to_nnx__module, rules, prefix=tuple(map(str, path))))
+      if isinstance(node, nnx.Param):
+        continue  # cast by the Linen wrapper, module by module
     if isinstance(node, nnx.Param):
       policy = _owner(policies, path)
       # Tapped in a telemetry trace (seen in the compute dtype): its
@@ -156,11 +171,9 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
       if not rules.module_dtypes:
         _internals.set_attributes(
             node, **dtype_overrides(node, policy, vars(node)))
-      _internals.set_attributes(
-          node, _jmp_lite_policy=policy, _jmp_lite_stack=stack,
-          _jmp_lite_path=path_str(path),
-          _jmp_lite_fp8_scope=functools.partial(
-              fp8_scope, rules, policy, path_str(path)))
+      _internals.set_attributes(node, **{_internals.OWN_ATTRIBUTE: (
+          policy, stack, path_str(path),
+          functools.partial(fp8_scope, rules, policy, path_str(path)))})
       if type(node).__call__ is not nnx.Module.__call__:
         _internals.swap_class(node, _casting_class(type(node)))
   out = copy(*args, **kwargs)
@@ -170,7 +183,7 @@ def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
 @functools.cache
 def _nnx_run(reduce_dtype):
   """The engine's rewrite, cached per (rules, graph structure, argument
-  structure) inside: see `jmp_lite.flax._linen_engine`."""
+  structure) inside: see `jmp_lite._linen._linen_engine`."""
   return _engine.accumulate(_nnx_run_as_written, reduce_dtype=reduce_dtype)
 
 

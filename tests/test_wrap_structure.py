@@ -631,3 +631,69 @@ def test_float16_products_asking_for_float32_keep_jaxs_derivative():
     want = jax.grad(loss)(w.astype(jnp.float16), x).astype(jnp.float32)
   assert bool(finite)
   np.testing.assert_allclose(grads, want, rtol=2e-2)
+
+
+class _LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.LayerNorm()(nn.relu(nn.Dense(8)(x))))
+
+
+class _Bridged(nnx.Module):
+  """An NNX model holding a Linen module through `flax.nnx.bridge.ToNNX`."""
+
+  def __init__(self, rngs):
+    self.inner = nnx.bridge.ToNNX(_LinenBlock(), rngs=rngs)
+    nnx.bridge.lazy_init(self.inner, jnp.ones((1, 8)))
+    self.out = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.inner(x))
+
+
+def test_a_linen_module_held_by_an_nnx_model_runs_under_the_rules():
+  """Through `flax.nnx.bridge.ToNNX` (the wrapper's attributes broke the
+  bridge's variables): its matmuls bf16 accumulating in float32, its
+  LayerNorm in float32 on float32 parameters, path rules seen from the NNX
+  model's root; gradients float32, close to the float32 model's."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32)
+  model = _Bridged(nnx.Rngs(0))
+  loss = lambda m, x: jnp.sum(m(x) ** 2)  # pylint: disable=unnecessary-lambda-assignment
+  ref, ref_grads = nnx.value_and_grad(loss)(model, x)
+  wrapped = jmp_lite.flax.wrap(model, "p=f32,c=bf16,o=f32")
+  value, grads = nnx.jit(nnx.value_and_grad(loss))(wrapped, x)
+  np.testing.assert_allclose(value, ref, rtol=3e-2)
+  flat = dict(nnx.to_flat_state(nnx.state(grads, nnx.Param)))
+  for path, g in nnx.to_flat_state(nnx.state(ref_grads, nnx.Param)):
+    mine = flat[("module", *path)].get_value()
+    assert mine.dtype == jnp.float32, path
+    np.testing.assert_allclose(mine, g.get_value(), rtol=5e-2, atol=5e-2 * float(
+        jnp.abs(g.get_value()).max()))
+  report = jmp_lite.audit(nnx.jit(lambda m, x: m(x)), wrapped, x)
+  assert report.count(primitive="dot_general") == 3
+  assert report.count(primitive="dot_general", operand_dtype="bf16", accumulation="f32") == 3
+  assert report.count(primitive="reduce_sum", operand_dtype="f32") == 2  # LayerNorm's mean, var
+  assert not report.flags
+  # A path rule reaches into the Linen module: its second Dense in float32.
+  ruled = jmp_lite.flax.wrap(model, "p=f32,c=bf16,o=f32", rules={"inner/Dense_1": "f32"})
+  report = jmp_lite.audit(nnx.jit(lambda m, x: m(x)), ruled, x)
+  assert report.count(primitive="dot_general", operand_dtype="f32") == 1
+
+
+@pytest.mark.usefixtures("standard_promotion")  # bf16 inputs, float32 kernel
+def test_an_nnx_module_held_by_a_linen_model_is_warned_about():
+  """Through `flax.nnx.bridge.ToLinen` wrap does not enter the NNX module: its
+  float32 parameters keep its matmul float32. Said, not silent."""
+
+  class Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(nnx.bridge.ToLinen(nnx.Linear, args=(8, 16))(x))
+
+  wrapped = jmp_lite.flax.wrap(Outer(), "p=f32,c=bf16,o=f32")
+  x = jnp.ones((2, 8))
+  with pytest.warns(UserWarning, match=r"ToLinen_0 is an NNX module held through .*ToLinen \(Linear\)"):
+    variables = wrapped.init(jax.random.key(0), x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jmp_lite.flax.wrap(Outer(), "f32").apply(variables, x)  # nothing to say

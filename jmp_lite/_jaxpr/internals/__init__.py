@@ -9,7 +9,8 @@ precision rewrite cannot do without, each item with what it relies on:
   source context, the parameters of higher-order primitives, the user frames
   of a source location, and how a traced value was computed.
 * `private`: Flax's private API (a scope's variables, a shallow module clone,
-  attributes set on an NNX module copy past its ``__setattr__``) and
+  attributes set on an NNX module copy past its ``__setattr__``, under a
+  name `flax.nnx.bridge.ToNNX` does not take for a variable) and
   Python's (the call stack).
 
 `tests/test_internals.py` checks the items against the installed JAX, fails
@@ -49,6 +50,7 @@ from jmp_lite._jaxpr.internals.jaxprs import user_frames
 from jmp_lite._jaxpr.internals.jaxprs import with_more_consts
 from jmp_lite._jaxpr.internals.jaxprs import wrap_fun
 from jmp_lite._jaxpr.internals.private import called_from
+from jmp_lite._jaxpr.internals.private import OWN_ATTRIBUTE
 from jmp_lite._jaxpr.internals.private import scope_init_args
 from jmp_lite._jaxpr.internals.private import set_attributes
 from jmp_lite._jaxpr.internals.private import shallow_clone
@@ -93,6 +95,7 @@ __all__ = (
     "with_more_consts",
     "wrap_fun",
     "called_from",
+    "OWN_ATTRIBUTE",
     "scope_init_args",
     "set_attributes",
     "shallow_clone",

@@ -51,6 +51,16 @@ def set_attributes(node, **attributes) -> None:
     object.__setattr__(node, name, value)
 
 
+# The name of the one attribute `jmp_lite.flax` sets on each module of the
+# copy it runs a wrapped NNX model as (its policy, path, ...). Relies on
+# `flax.nnx.bridge.ToNNX.__call__` skipping instance attributes prefixed
+# ``to_nnx__`` when it reads a Linen module's variables from ``vars(self)``:
+# any other attribute of a ToNNX node is taken for a variable, and one that
+# is not a Variable raises "Cannot infer collection name" (flax 0.12,
+# flax/nnx/bridge/wrappers.py).
+OWN_ATTRIBUTE = "to_nnx__jmp_lite"
+
+
 def swap_class(node, cls) -> None:
   """Makes ``node`` an instance of ``cls``, a subclass of its own class
   that only overrides ``__call__``. Relies on the same as `set_attributes`,

@@ -1,0 +1,275 @@
+"""Linen models under a policy: the Linen half of `jmp_lite.flax.wrap`.
+
+The wrapper shares its scope with the model (`flax.linen.share_scope`, so the
+variables have the model's own layout) and calls it under
+`flax.linen.intercept_methods`. The interceptor, for each module method call,
+casts the arguments and runs the method on a clone of the module bound to a
+scope whose ``param`` creates parameters in ``param_dtype`` and reads them in
+``compute_dtype``. A Linen model held by an NNX model
+(`flax.nnx.bridge.ToNNX`) runs under the same wrapper (`jmp_lite._nnx`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Optional
+
+import flax.linen as nn
+from flax.core.scope import Scope
+
+from jmp_lite._flax_rules import dtype_overrides
+from jmp_lite._flax_rules import fp8_scope
+from jmp_lite._flax_rules import keep_carry
+from jmp_lite._flax_rules import needs_rewrite
+from jmp_lite._flax_rules import path_str
+from jmp_lite._flax_rules import Rules
+from jmp_lite._flax_rules import state_dtype_hint
+from jmp_lite._flax_rules import tap_and_cast
+from jmp_lite._flax_rules import warn_if_bridged
+from jmp_lite._jaxpr import internals as _internals
+from jmp_lite._jaxpr import module_scales as _module_scales
+from jmp_lite._jaxpr.passes import engine as _engine
+from jmp_lite._jaxpr import probes as _probes
+from jmp_lite.policy import Policy
+
+
+class _PolicyScope(Scope):
+  """A view of a module's scope that applies a policy to its parameters.
+
+  Same variables, RNG counters and path as the scope it mirrors (as
+  `Scope.rewound` builds it); children pushed from it are plain scopes.
+  """
+
+  def __init__(self, scope: Scope, policy: Policy, path: str = ""):
+    args, kwargs = _internals.scope_init_args(scope)
+    super().__init__(*args, **kwargs)
+    self.rng_counters = scope.rng_counters
+    self.jmp_policy = policy
+    self.jmp_path = path
+
+  def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+    policy = self.jmp_policy
+
+    def init_in_param_dtype(*args, **kwargs):
+      return policy.cast_to_param(init_fn(*args, **kwargs))
+
+    value = super().param(name, init_in_param_dtype, *init_args, unbox=unbox,
+                          **init_kwargs)
+    # In a telemetry trace: the parameter (seen in the compute dtype) and
+    # its cotangent, the weight gradient.
+    path = f"{self.jmp_path}/{name}" if self.jmp_path else name
+    # Under a per-module loss scale, its weight gradient leaves the module's
+    # scale for the global one here, in the parameter dtype.
+    value = _module_scales.param(value)
+    return policy.cast_to_compute(_probes.tap(value, path, view=policy.compute_dtype))
+
+
+def _lifted(method, context) -> bool:
+  """Whether ``method`` is a lifted transform of the function being run.
+
+  A method decorated with a lifted transform (``nn.scan``, ``nn.remat``,
+  ``nn.jit``... on the method itself, as Flax's SST-2 LSTM classifier
+  does) is not intercepted itself: the transform calls the method's body
+  on a module of its own, and that call is. Calling the clone's method
+  would apply the transform a second time, nested in itself (a scan over
+  already-sliced inputs), so the clone runs the body that was intercepted.
+  Relies on Flax's method wrappers (``wrap_method_once``) keeping the
+  function they wrap as ``__wrapped__`` (``functools.wraps``), and on
+  ``InterceptorContext.orig_method`` being that function bound to the module.
+  """
+  return getattr(method, "__wrapped__", None) is not getattr(
+      context.orig_method, "func", None)
+
+
+class _LinenInterceptor:
+  """Applies the rules to every module method called under it.
+
+  Holds the policies of the modules running now (per call, not global): a
+  module's outputs go back in its caller's compute dtype.
+  """
+
+  def __init__(self, rules: Rules, root: tuple, record: Optional[dict] = None,
+               prefix: tuple = ()):
+    self.rules = rules
+    self.root = root
+    self.prefix = prefix
+    self.record = record
+    self.stack: list[Optional[Policy]] = []
+
+  def __call__(self, next_fun, args, kwargs, context):
+    module = context.module
+    if (context.method_name == "setup"
+        or isinstance(module.scope, _PolicyScope)
+        or (self.stack and self.stack[-1] is None)):
+      return next_fun(*args, **kwargs)
+    caller = self.stack[-1] if self.stack else None
+    if isinstance(module, _LinenWrapper):  # a nested wrapper has its own rules
+      self.stack.append(None)
+      try:
+        out = next_fun(*args, **kwargs)
+      finally:
+        self.stack.pop()
+      return caller.cast_to_compute(out) if caller else out
+    path = path_str(self.prefix + tuple(module.path[len(self.root):]))
+    policy = self.rules.resolve(type(module), path)
+    if self.record is not None:
+      self.record.setdefault(path, policy)
+    given = args
+    with _module_scales.module(path) as convert:
+      if convert is not None:  # a per-module loss scale's region (in the
+        # caller's dtypes, outside the casts)
+        args, kwargs = convert[0]((args, kwargs))
+      out = self._run_module(next_fun, args, kwargs, context, module, path,
+                             policy, caller)
+      if convert is not None:
+        out = convert[1](out)
+    return keep_carry(given, out)
+
+  def _run_module(self, next_fun, args, kwargs, context, module, path, policy,
+                  caller):
+    warn_if_bridged(module, path, policy)
+    args, kwargs = policy.cast_to_compute((args, kwargs))
+    method = getattr(type(module), context.method_name, None)
+    self.stack.append(policy)
+    try:
+      if method is None:  # a function passed as `method=`: cast only.
+        out = next_fun(*args, **kwargs)
+      else:
+        # Not a deep clone: a submodule passed in as an attribute (a shared
+        # embedding, nn.RNN's cell) stays the model's, where its variables are.
+        clone = _internals.shallow_clone(module, parent=_PolicyScope(module.scope, policy, path),
+                                         **self.dtypes(module, policy))
+        run = getattr(clone, context.method_name)
+        if _lifted(method, context):
+          run = functools.partial(nn.module.wrap_method_once(context.orig_method.func), clone)
+        with fp8_scope(self.rules, policy, path):
+          out = run(*args, **kwargs)
+    finally:
+      self.stack.pop()
+    # In a telemetry trace: the module's output as it computed it. The
+    # model's own output is marked after its cast to the output dtype, so that
+    # the backward pass's cast of the loss's cotangent back to the compute
+    # dtype, where it can underflow entirely, is measured (`_probes.tap`).
+    return tap_and_cast(out, path, caller, policy)
+
+
+  def dtypes(self, module, policy: Policy) -> dict:
+    """The policy's dtypes for the module's own ``dtype``/``param_dtype``."""
+    if self.rules.module_dtypes:
+      return {}
+    names = {f.name for f in dataclasses.fields(module)}
+    return dtype_overrides(module, policy, names)
+
+
+class _LinenWrapper(nn.Module):
+  """A Linen model run under a policy. Build it with `wrap`."""
+
+  module: nn.Module
+  rules: Rules
+  # Where the model sits in an NNX model that holds it (`flax.nnx.bridge.ToNNX`):
+  # the rules see its modules' paths from the NNX model's root.
+  prefix: tuple = ()
+
+  def setup(self):
+    nn.share_scope(self, self.module)
+
+  def _interceptor(self):
+    return _LinenInterceptor(self.rules, self.scope.path, prefix=self.prefix)
+
+  def __call__(self, *args, **kwargs):
+    with nn.intercept_methods(self._interceptor()):
+      return self.module(*args, **kwargs)
+
+  def run_method(self, method, *args, **kwargs):
+    """The model's ``method`` (a name, or a function of the model) under the
+    rules: what ``apply(..., method=method)`` runs. A module method, so that
+    ``setup`` has shared the model's scope first."""
+    with nn.intercept_methods(self._interceptor()):
+      if isinstance(method, str):
+        return getattr(self.module, method)(*args, **kwargs)
+      return method(self.module, *args, **kwargs)
+
+  @nn.nowrap
+  def init_with_output(self, rngs, *args, **kwargs):
+    return self._run("init_with_output", rngs, *args, **kwargs)
+
+  @nn.nowrap
+  def apply(self, variables, *args, fp8=None, **kwargs):
+    """`flax.linen.Module.apply` under the rules. ``fp8``: an
+    `jmp_lite.fp8.Fp8State` from training, whose scales the fp8 matmuls then
+    run with (inference; `jmp_lite.fp8.forward`)."""
+    try:
+      if fp8 is not None:
+        from jmp_lite._jaxpr.passes import instrument as _instrument  # pylint: disable=g-import-not-at-top
+        return _instrument.forward(lambda v, *a, **k: self._run("apply", v, *a, **k),
+                                   fp8, variables, *args, **kwargs)
+      return self._run("apply", variables, *args, **kwargs)
+    except TypeError as e:
+      hint = state_dtype_hint(e, variables, self.rules.policy)
+      if hint is None:
+        raise
+      raise TypeError(f"{e}\n\n{hint}") from e
+
+  @nn.nowrap
+  def _run(self, entry: str, *args, **kwargs):
+    """`nn.Module`'s ``entry`` (``apply``...) of the wrapper: autocast whole
+    (O1), through the engine (a half compute dtype somewhere), or as it is.
+    (Not ``method``: that is the keyword ``apply`` forwards.)"""
+    kwargs = _forward_method(kwargs)
+    policy = self.rules.policy
+    if policy.autocast_dtype is not None:
+      run = _linen_autocast(policy, entry)
+    elif needs_rewrite(self.rules):
+      run = _linen_engine(entry, policy.reduce_dtype)
+    else:
+      run = getattr(nn.Module, entry)
+    return run(self, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+  """``method=`` of the wrapped model, run under the wrapper's rules.
+
+  Frozen, so equal methods make equal cache keys for the engine.
+  """
+  method: Any  # a method name, or a function taking the model first
+
+  def __call__(self, wrapper, *args, **kwargs):
+    return wrapper.run_method(self.method, *args, **kwargs)
+
+
+def _forward_method(kwargs):
+  """Points ``init``/``apply``'s ``method=`` at the wrapped model's method."""
+  method = kwargs.get("method")
+  if method is None or method == "__call__" or isinstance(method, _Forward):
+    return kwargs
+  if inspect.ismethod(method) and isinstance(method.__self__, nn.Module):
+    method = method.__func__  # `model.encode`: the function, on our model
+  return {**kwargs, "method": _Forward(method)}
+
+
+@functools.cache
+def _linen_engine(method: str, reduce_dtype):
+  """The engine's rewrite of ``init_with_output`` or ``apply``.
+
+  ``apply`` is cached per (wrapper, argument structure) inside: the wrapper
+  is a static argument (Linen modules hash by value), so repeated eager calls
+  run one compiled step instead of tracing again. ``init_with_output`` is not:
+  called eagerly it runs equation by equation, as the plain model's ``init``
+  does, so that the initialisers' arithmetic is not fused into one
+  computation (where XLA:GPU contracts multiply-adds into FMAs and the
+  parameters differ from the model's in the last bit).
+  """
+  fun = getattr(nn.Module, method)
+  return _engine.accumulate(lambda m, *a, **k: fun(m, *a, **k),
+                            reduce_dtype=reduce_dtype, cache=method == "apply")
+
+
+@functools.cache
+def _linen_autocast(policy: Policy, method: str):
+  """Op-level autocast (O1) of ``init_with_output`` or ``apply``, per policy."""
+  from jmp_lite.autocasting import autocast  # pylint: disable=g-import-not-at-top
+  fun = getattr(nn.Module, method)
+  return autocast(lambda m, *a, **k: fun(m, *a, **k), policy)
