@@ -20,6 +20,7 @@ from typing import Any, Optional, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import serialization
 
 T = TypeVar("T")
 
@@ -57,6 +58,24 @@ def register_state(cls: type[T]) -> type[T]:
     return obj
 
   jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+  # `flax.serialization` (``to_bytes``, ``to_state_dict``), as for a
+  # `flax.struct.dataclass`: the leaf fields by name; static ones come from
+  # the target a checkpoint is restored into.
+  def to_state_dict(obj):
+    return {n: serialization.to_state_dict(getattr(obj, n)) for n in data}
+
+  def from_state_dict(target, state):
+    missing = [n for n in data if n not in state]
+    if missing:
+      raise ValueError(
+          f"Restoring a {cls.__name__}: the checkpoint has no fields {missing} "
+          f"(it has {sorted(state)}).")
+    return replace_fields(target, **{
+        n: serialization.from_state_dict(getattr(target, n), state[n], name=n)
+        for n in data})
+
+  serialization.register_serialization_state(cls, to_state_dict, from_state_dict)
   return cls
 
 
