@@ -39,6 +39,35 @@ def grads_match_params(grads: Any, params: Any) -> None:
       raise ValueError(
           f"with_loss_scale.update: gradient {jax.tree_util.keystr(path)} has shape "
           f"{np.shape(g)} but its parameter has shape {np.shape(p)}.")
+    p_kind, g_kind = _kind(p), _kind(g)
+    # A float parameter needs a float gradient (jax.grad gives float0 to
+    # integer parameters only), and a real one a real gradient: optax would
+    # otherwise fail inside the optimizer, or return complex updates.
+    if p_kind == "f" and g_kind != "f":
+      raise TypeError(
+          f"with_loss_scale.update: gradient {jax.tree_util.keystr(path)} is "
+          f"{_dtype_name(g)} but its parameter is {_dtype_name(p)}: a "
+          f"{'real ' if g_kind == 'c' else ''}floating parameter needs a "
+          f"{'real ' if g_kind == 'c' else ''}floating gradient.")
+
+
+def _kind(x) -> str:
+  """'f' (real floating), 'c' (complex), or 'o' (anything else: integers,
+  booleans, float0) for an array or a Python number."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return {float: "f", complex: "c"}.get(type(x), "o")
+  if dtype == jax.dtypes.float0:
+    return "o"
+  return "f" if jnp.issubdtype(dtype, jnp.floating) else (
+      "c" if jnp.issubdtype(dtype, jnp.complexfloating) else "o")
+
+
+def _dtype_name(x) -> str:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return type(x).__name__
+  return "float0" if dtype == jax.dtypes.float0 else str(dtype)
 
 
 # Arrays of this many elements or more are checked on a copy of the step.
