@@ -171,7 +171,19 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
     ...   new = optax.apply_updates(params, updates)
     >>> round(float(jnp.mean(new["w"].astype(jnp.float32))), 3)  # 1.001 on average
     1.001
+
+  Raises:
+    TypeError: if ``key`` is not a PRNG key.
   """
+  typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(
+      key.dtype, jax.dtypes.prng_key)
+  raw = (isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32
+         and np.shape(key) == (2,))
+  if not (typed and np.shape(key) == () or raw):
+    raise TypeError(
+        "stochastic_round: key must be one PRNG key (jax.random.key(0), or a "
+        f"raw uint32[2] jax.random.PRNGKey(0)), got {key!r}"
+        f"{'' if not hasattr(key, 'dtype') else f' ({key.dtype}{list(np.shape(key))})'}.")
 
   def init(params):
     del params

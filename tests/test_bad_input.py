@@ -218,6 +218,12 @@ CASES = [
     ("with_loss_scale.update complex gradient for a real parameter",
         _update_with({"w": jnp.ones(2), "b": jnp.ones(3, jnp.complex64)}),
         TypeError, ["['b']", "complex64", "real"]),
+    ("stochastic_round key None", lambda: jo.stochastic_round(None), TypeError,
+     ["PRNG key", "None"]),
+    ("stochastic_round key an int", lambda: jo.stochastic_round(0), TypeError,
+     ["PRNG key", "got 0"]),
+    ("stochastic_round two keys", lambda: jo.stochastic_round(
+        jax.random.split(jax.random.key(0))), TypeError, ["one PRNG key", "[2]"]),
     ("with_loss_scale accumulate_steps None",
      lambda: jo.with_loss_scale(optax.sgd(0.1), ls(jnp.float32(2.0)), accumulate_steps=None),
      TypeError, ["accumulate_steps", "None"]),
@@ -297,7 +303,7 @@ def test_every_public_entry_point_has_a_case():
   public = ["get_policy", "parse_dtype", "Policy", "StaticLossScale", "DynamicLossScale",
             "adjust", "select_tree", "value_and_grad", "TrainState", "with_loss_scale",
             "get_loss_scale", "reduce_gradients", "mark_varying", "inject_nonfinite",
-            "assert_single_compile"]
+            "assert_single_compile", "stochastic_round"]
   assert [p for p in public if p not in names] == []
 
 
