@@ -14,13 +14,13 @@ object, and unflattens by setting fields directly. The field list comes from
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Any, Optional, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import serialization
 
 T = TypeVar("T")
 
@@ -59,24 +59,44 @@ def register_state(cls: type[T]) -> type[T]:
 
   jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
 
-  # `flax.serialization` (``to_bytes``, ``to_state_dict``), as for a
-  # `flax.struct.dataclass`: the leaf fields by name; static ones come from
-  # the target a checkpoint is restored into.
-  def to_state_dict(obj):
-    return {n: serialization.to_state_dict(getattr(obj, n)) for n in data}
-
-  def from_state_dict(target, state):
-    missing = [n for n in data if n not in state]
-    if missing:
-      raise ValueError(
-          f"Restoring a {cls.__name__}: the checkpoint has no fields {missing} "
-          f"(it has {sorted(state)}).")
-    return replace_fields(target, **{
-        n: serialization.from_state_dict(getattr(target, n), state[n], name=n)
-        for n in data})
-
-  serialization.register_serialization_state(cls, to_state_dict, from_state_dict)
+  _SERIALIZABLE[cls] = data
+  if "flax.serialization" in sys.modules:
+    register_serialization()
   return cls
+
+
+# State classes and their leaf fields, for `register_serialization`.
+_SERIALIZABLE: dict[type, tuple[str, ...]] = {}
+
+
+def register_serialization() -> None:
+  """Registers the state classes with `flax.serialization` (``to_bytes``,
+  ``to_state_dict``), as a `flax.struct.dataclass` is: the leaf fields by
+  name; static ones come from the target a checkpoint is restored into.
+
+  Called once Flax is loaded (by `jmp_lite.flax` and `jmp_lite.training`, or
+  by `register_state` if it already was): importing jmp_lite alone does not
+  import Flax.
+  """
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  for cls, data in _SERIALIZABLE.items():
+    if serialization.is_serializable(cls):
+      continue
+
+    def to_state_dict(obj, data=data):
+      return {n: serialization.to_state_dict(getattr(obj, n)) for n in data}
+
+    def from_state_dict(target, state, data=data, cls=cls):
+      missing = [n for n in data if n not in state]
+      if missing:
+        raise ValueError(
+            f"Restoring a {cls.__name__}: the checkpoint has no fields {missing} "
+            f"(it has {sorted(state)}).")
+      return replace_fields(target, **{
+          n: serialization.from_state_dict(getattr(target, n), state[n], name=n)
+          for n in data})
+
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict)
 
 
 def replace_fields(obj: T, **changes: Any) -> T:

@@ -82,6 +82,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from jmp_lite import _struct
 from jmp_lite._flax_rules import default_rules
 from jmp_lite._flax_rules import path_str
 from jmp_lite._flax_rules import Rules
@@ -89,6 +90,9 @@ from jmp_lite._linen import _LinenInterceptor
 from jmp_lite._linen import _LinenWrapper
 from jmp_lite._nnx import NnxWrapper
 from jmp_lite.policy import Policy
+
+# Flax is loaded: jmp_lite's states serialise with flax.serialization too.
+_struct.register_serialization()
 
 __all__ = ("wrap", "policy_map", "default_rules")
 

@@ -24,6 +24,7 @@ from jmp_lite import _guard_state
 from jmp_lite._jaxpr.passes import plan as _plan
 from jmp_lite import _replicas
 from jmp_lite import _scaled_grad
+from jmp_lite import _struct
 from jmp_lite import _unscale
 from jmp_lite import distributed
 from jmp_lite.fp8 import Fp8State
@@ -31,6 +32,9 @@ from jmp_lite import loss_scale as ls_lib
 from jmp_lite import optax as jo
 from jmp_lite.policy import Policy, get_policy
 from jmp_lite import telemetry as telemetry_lib
+
+# Flax is loaded: jmp_lite's states serialise with flax.serialization too.
+_struct.register_serialization()
 
 __all__ = (
     "value_and_grad",
