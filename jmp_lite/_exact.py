@@ -67,6 +67,33 @@ def ldexp(m: jax.Array, e: jax.Array, dtype) -> jax.Array:
   return jnp.asarray(m).astype(dtype) * pow2(e1, dtype) * pow2(e2, dtype)
 
 
+def normal_pair(mantissa: jax.Array, exponent: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """Two normal numbers of real ``dtype`` whose product is ``mantissa * 2**exponent``.
+
+  ``2**e1`` with ``e1`` clipped to the normal exponents, and the rest,
+  ``mantissa * 2**(exponent - e1)``, normal too unless the product lies
+  beyond ``2**(+-2 * maxexp)``. Multiply by the first, then the second: with
+  ``mantissa`` at most 1, ``x * 2**e1`` is at least the result, so a normal
+  result is never flushed on the way.
+  """
+  info = jnp.finfo(dtype)
+  e1 = jnp.clip(exponent, info.minexp, info.maxexp - 1)
+  e2 = jnp.clip(exponent - e1, info.minexp, info.maxexp - 1)
+  return pow2(e1, dtype), jnp.asarray(mantissa).astype(dtype) * pow2(e2, dtype)
+
+
+def reciprocal_factor(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(m, e)`` with ``1 / x = m * 2**e`` and ``m`` in (0.5, 1], for a positive
+  normal ``x``: `normal_pair` of them unscales by ``x`` without a subnormal
+  factor (``1 / x`` is subnormal for ``x`` above ``2**126`` in float32).
+
+  ``m`` is exact for a power of two. (Not `divide`: XLA copies its scalar
+  ops into every fusion that reads the factor, which costs compile time.)
+  """
+  ms, es = frexp(x)
+  return 0.5 / ms, 1 - es
+
+
 def frexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(m, e)`` with ``x = m * 2**e``, ``|m|`` in [0.5, 1); zeros, subnormals
   (which XLA flushes), infinities and NaN give ``(x, 0)`` (subnormals: ``0``).

@@ -62,16 +62,7 @@ class Factor(NamedTuple):
 
 
 def _normal_pair(factor: Factor, dtype) -> tuple[jax.Array, jax.Array]:
-  """Two normal numbers of real ``dtype`` whose product is ``factor``.
-
-  ``2**e1`` with ``e1`` clipped to the normal exponents, and the rest,
-  ``mantissa * 2**(e - e1)``, normal too unless the factor itself lies beyond
-  ``2**(+-2 * maxexp)``.
-  """
-  info = jnp.finfo(dtype)
-  e1 = jnp.clip(factor.exponent, info.minexp, info.maxexp - 1)
-  e2 = jnp.clip(factor.exponent - e1, info.minexp, info.maxexp - 1)
-  return _exact.pow2(e1, dtype), factor.mantissa.astype(dtype) * _exact.pow2(e2, dtype)
+  return _exact.normal_pair(factor.mantissa, factor.exponent, dtype)
 
 
 def _abs2(g: jax.Array, dtype, pair=None) -> jax.Array:
@@ -136,10 +127,7 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
   dtype = norm_dtype(grads)
   scale = loss_scale.astype(dtype)
   ms, es = _exact.frexp(scale)
-  # 1/ms is in (1, 2], exact for a power-of-two scale (ms = 1/2) on every
-  # backend. (Not `_exact.divide`: XLA duplicates its scalar ops into every
-  # per-leaf fusion that reads the factor, which costs compile time.)
-  unscale = Factor(1 / ms, -es)
+  unscale = Factor(*_exact.reciprocal_factor(scale))
   if not leaves:
     finite = ls_lib.all_finite(low)
     zero = jnp.zeros((), dtype)
@@ -179,8 +167,9 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
       # unscale * clip_norm / norm = (c / root) * 2**-et / scale.
       q_m, q_e = _exact.frexp(jnp.asarray(clip_norm, dtype) / jnp.where(root > 0, root, 1))
       active = finite & (norm > clip_norm)
-      clip = Factor(jnp.where(active, q_m / ms, unscale.mantissa),
-                    jnp.where(active, q_e - es - et, unscale.exponent))
+      # q_m / ms is in (0.5, 2): halved, at most 1 (see `_exact.normal_pair`).
+      clip = Factor(jnp.where(active, 0.5 * q_m / ms, unscale.mantissa),
+                    jnp.where(active, q_e - es - et + 1, unscale.exponent))
     return NormInfo(finite, norm, unscale, clip, _normal_pair(clip, dtype))
 
   return _reduce.fenced(finish, (fast, down, low_finite))

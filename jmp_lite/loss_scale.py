@@ -67,24 +67,42 @@ def _check_flag(flag: Any, what: str) -> jax.Array:
   return flag
 
 
-def _multiply(tree: T, factor: jax.Array) -> T:
-  """Multiplies floating and complex leaves by a float32 ``factor``, keeping dtypes.
+def _multiply(tree: T, *factors: jax.Array) -> T:
+  """Multiplies floating and complex leaves by float32 ``factors``, in order,
+  keeping dtypes.
 
   The product is formed in float32 (float64 for float64, complex for complex
-  leaves) and rounded once: a scale of 2**16 is infinite in float16, so it
-  must not be cast to the leaf's dtype first. fp8 leaves (quantisation
-  metadata, not gradients of the loss) are left as they are.
+  leaves) and rounded to the leaf's dtype once: a scale of 2**16 is infinite
+  in float16, so it must not be cast to the leaf's dtype first. fp8 leaves
+  (quantisation metadata, not gradients of the loss) are left as they are.
   """
   def mul(x):
     if isinstance(x, (int, float)) and not isinstance(x, bool):
-      return x * factor
+      for f in factors:
+        x = x * f
+      return x
     if not is_inexact(x) or is_low_bit_float(x.dtype):
       return x
     x = jnp.asarray(x)
     wide = wide_dtype(x.dtype)
-    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+    out = x.astype(wide)
+    for f in factors:
+      out = out * f.astype(wide)
+    return out.astype(x.dtype)
 
   return jax.tree_util.tree_map(mul, tree)
+
+
+def _unscaled(tree: T, loss_scale: jax.Array) -> T:
+  """``tree / loss_scale``, by two normal factors: ``1 / loss_scale`` is
+  subnormal above ``2**126``, where XLA flushes it to 0 (and every gradient
+  with it). The same as one multiplication by ``1 / loss_scale`` below."""
+  m, e = _exact.reciprocal_factor(loss_scale.astype(jnp.float32))
+  # Behind a barrier: where the scale is a constant of a jitted function (a
+  # scale closed over), XLA's algebraic simplifier would fold ``(g * a) * b``
+  # into ``g * (a * b)``, and ``a * b`` is the subnormal factor again.
+  pair = jax.lax.optimization_barrier(_exact.normal_pair(m, e, jnp.float32))
+  return _multiply(tree, *pair)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +160,7 @@ class StaticLossScale:
     return _multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
+    return _unscaled(tree, self.loss_scale)
 
   def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
     _check_flag(grads_finite, "StaticLossScale.adjust(grads_finite)")
@@ -287,7 +305,7 @@ class DynamicLossScale:
     return _multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _multiply(tree, 1 / self.loss_scale.astype(jnp.float32))
+    return _unscaled(tree, self.loss_scale)
 
   def _grown(self) -> jax.Array:
     """The scale times ``factor``, capped at ``max_loss_scale`` (kept if inf)."""

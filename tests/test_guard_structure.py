@@ -209,6 +209,21 @@ def test_create_stores_what_the_step_writes_back(w):
   assert len(compiled) == 1
 
 
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_unscaled_gradients_just_above_the_smallest_normal_are_kept(clip_norm):
+  """Unscaling by 2**16 took ``g * 2**-17`` first, subnormal (flushed to 0)
+  for results below twice the smallest normal; the factor at most 1 comes
+  second now. Oracle: NumPy's division (exact for a power of two)."""
+  scaled = np.array([1e-33, 1.5e-33, 1e-32, 3e-30], np.float32)
+  tx = jo.with_loss_scale(optax.sgd(1.0), jmp_lite.DynamicLossScale(2.0 ** 16),
+                          clip_norm=clip_norm)
+  params = {"w": jnp.zeros(4)}
+  updates, _ = jax.jit(tx.update)({"w": jnp.asarray(scaled)}, tx.init(params), params)
+  want = scaled.astype(np.float64) / 2.0 ** 16  # far below clip_norm
+  assert np.all(np.abs(want) >= np.finfo(np.float32).tiny)
+  np.testing.assert_allclose(-np.asarray(updates["w"]), want, rtol=2 ** -22)
+
+
 @pytest.mark.parametrize("make", [
     lambda v: jmp_lite.StaticLossScale(v),
     lambda v: jmp_lite.DynamicLossScale(v, min_loss_scale=0.0)])

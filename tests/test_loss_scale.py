@@ -482,12 +482,38 @@ def test_float16_leaf_with_a_scale_beyond_float16_range(cls, jit):
 
 def test_scaling_arithmetic_is_float32_in_the_jaxpr():
   ls = jmp_lite.DynamicLossScale(2.0 ** 16)
-  for fn in (ls.scale, ls.unscale):
+  # Unscaling multiplies by two normal factors (`_exact.normal_pair`).
+  for fn, n in ((ls.scale, 1), (ls.unscale, 2)):
     jaxpr = jax.make_jaxpr(fn)(jnp.ones(3, jnp.float16)).jaxpr
-    muls = [e for e in jaxpr.eqns if e.primitive.name == "mul"]
-    assert len(muls) == 1
-    assert all(v.aval.dtype == F32 for v in muls[0].invars)
+    muls = [e for e in jaxpr.eqns if e.primitive.name == "mul"
+            and e.outvars[0].aval.shape == (3,)]
+    assert len(muls) == n
+    assert all(v.aval.dtype == F32 for m in muls for v in m.invars)
     assert jaxpr.outvars[0].aval.dtype == F16
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 127, 3 * 2.0 ** 126, 1.5 * 2.0 ** 126,
+                                   float(np.finfo(np.float32).max)])
+@pytest.mark.parametrize("cls", [jmp_lite.StaticLossScale, jmp_lite.DynamicLossScale])
+def test_unscale_above_2_to_the_126(cls, scale):
+  """1/scale is subnormal there, and XLA flushed it to 0: value_and_grad gave
+  all-zero gradients, reported finite (torch's GradScaler unscales them; a
+  dynamic scale with a short period grows there on its own). Oracle: the
+  gradients of the unscaled loss, and NumPy, also with the scale a constant
+  of the jitted function."""
+  c = jnp.array([1.0, 0.5, 2e-3, 3e-30], jnp.float32)
+  loss = lambda w: jnp.sum(w * c)  # pylint: disable=unnecessary-lambda-assignment
+  w = jnp.ones(4)
+  _, grads, finite = jax.jit(jmp_lite.value_and_grad(loss))(w, loss_scale=cls(scale))
+  assert bool(finite)
+  np.testing.assert_allclose(grads, c, rtol=2 ** -23)  # within an ulp of exact
+  g = np.array([1e38, 3e30, 7e31, -2.5e36], np.float32)  # normal results
+  # As jmp and torch's GradScaler unscale: times the float32-rounded
+  # reciprocal (here its mantissa, rounded by NumPy), rounded once.
+  ms, es = np.frexp(np.float32(scale))
+  recip = np.float64(np.float32(0.5) / ms) * 2.0 ** (1 - int(es))
+  want = (g.astype(np.float64) * recip).astype(np.float32)
+  np.testing.assert_array_equal(jax.jit(cls(scale).unscale)(jnp.asarray(g)), want)
 
 
 def test_scale_matches_jmp_for_float32_and_python_scalars():
