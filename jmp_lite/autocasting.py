@@ -51,6 +51,9 @@ reduce_max            softmax, log_softmax                    --
 cumsum, cumprod,      cumsum, cumprod                         --
 cumlogsumexp
 psum, reduce_scatter  (FSDP's ``reduce_dtype``)               --
+lu, qr, svd, eigh,    linalg_*, fft_* (its CPU list; they     --
+fft, cholesky,        have no half kernels in JAX either)
+triangular_solve...
 ====================  ======================================  ==============================
 
 Softmax, log-softmax, logsumexp and layer/RMS normalisation are built from

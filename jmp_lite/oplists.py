@@ -26,7 +26,13 @@ DEFAULT_BLACK_LIST: frozenset[str] = frozenset({
     "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
     "reduce_sum", "reduce_prod", "reduce_max",
     "cumsum", "cumprod", "cumlogsumexp",
-    "psum", "psum_invariant", "reduce_scatter"})
+    "psum", "psum_invariant", "reduce_scatter",
+    # Linear algebra and FFTs: no half-precision kernels (LAPACK, cuSOLVER,
+    # XLA's FFT), so a half operand fails to compile. torch's CPU autocast
+    # keeps its linalg_* and fft_* ops in float32 too.
+    "cholesky", "cholesky_update", "eig", "eigh", "fft", "hessenberg",
+    "householder_product", "lu", "ormqr", "qr", "schur", "svd",
+    "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve"})
 
 MIN_REDUCTION_SIZE = 16
 

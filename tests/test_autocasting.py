@@ -18,6 +18,7 @@ import jmp_lite
 from jmp_lite.auditing import audit
 from jmp_lite.autocasting import autocast, primitive_name
 from jmp_lite.testing import count_compilations
+from jaxprs import equations
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 T, D, H, F = 16, 32, 4, 64  # sequence, model width, heads, MLP width.
@@ -452,3 +453,37 @@ def test_convolution_is_white_listed():
   assert row.operand_dtypes == (BF16, BF16) and row.accumulation == F32
   np.testing.assert_allclose(autocast(conv, jnp.bfloat16)(x, k), conv(x, k),
                              rtol=1e-2)
+
+
+LINALG = {
+    "inv": (lambda a: jnp.linalg.inv(a), {"lu", "triangular_solve"}),
+    "rfft": (lambda a: jnp.abs(jnp.fft.rfft(a)), {"fft"}),
+    "qr": (lambda a: jnp.linalg.qr(a)[1], {"qr", "householder_product"}),
+    "svd": (lambda a: jnp.linalg.svd(a, compute_uv=False), {"svd"}),
+    "eigh": (lambda a: jnp.linalg.eigh(a @ a.T)[0], {"eigh"}),
+    "cholesky": (lambda a: jnp.linalg.cholesky(a @ a.T + 8 * jnp.eye(8)), {"cholesky"}),
+}
+
+
+@pytest.mark.parametrize("name", LINALG)
+def test_linear_algebra_and_ffts_on_a_matmul_run_in_float32(name):
+  """A matmul's bf16 result fed to linalg or an FFT (no half kernels: XLA
+  refused to compile it) is upcast, as torch's CPU autocast keeps linalg_*
+  and fft_* in float32. Oracle: the float32 function."""
+  op, prims = LINALG[name]
+  fun = lambda x, w: op(x @ w)  # pylint: disable=unnecessary-lambda-assignment
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+  w = jnp.eye(8, dtype=jnp.float32) + 0.01 * jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+  out = jax.jit(autocast(fun, jnp.bfloat16))(x, w)
+  np.testing.assert_allclose(out, fun(x, w), rtol=0.1, atol=0.1 * float(jnp.abs(fun(x, w)).max()))
+  closed = jax.make_jaxpr(autocast(fun, jnp.bfloat16))(x, w)
+  found = {e.primitive.name: e for e in equations(closed.jaxpr) if e.primitive.name in prims}
+  assert found, sorted({e.primitive.name for e in equations(closed.jaxpr)})
+  for eqn in found.values():
+    assert all(v.aval.dtype in (F32, jnp.complex64) for v in eqn.invars
+               if jnp.issubdtype(v.aval.dtype, jnp.inexact)), eqn
+  # The matmuls themselves (x @ w, and a @ a.T where there is one) in bf16.
+  assert audit(autocast(fun, jnp.bfloat16), x, w).count(
+      primitive="dot_general", operand_dtype="bf16", accumulation="f32") == audit(
+          fun, x, w).count(primitive="dot_general")
