@@ -24,7 +24,7 @@ DEFAULT_WHITE_LIST: frozenset[str] = frozenset({
 DEFAULT_BLACK_LIST: frozenset[str] = frozenset({
     "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "logistic",
     "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
-    "reduce_sum", "reduce_prod", "reduce_max",
+    "reduce_sum", "reduce_prod", "reduce_max", "reduce_window_sum",
     "cumsum", "cumprod", "cumlogsumexp",
     "psum", "psum_invariant", "reduce_scatter",
     # Linear algebra and FFTs: no half-precision kernels (LAPACK, cuSOLVER,
@@ -32,7 +32,12 @@ DEFAULT_BLACK_LIST: frozenset[str] = frozenset({
     # keeps its linalg_* and fft_* ops in float32 too.
     "cholesky", "cholesky_update", "eig", "eigh", "fft", "hessenberg",
     "householder_product", "lu", "ormqr", "qr", "schur", "svd",
-    "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve"})
+    "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve",
+    # Complex values exist in complex64 and up: their parts are float32.
+    "complex", "conj",
+    # Gamma sampling (gamma, beta, dirichlet, t): rejection sampling whose
+    # draws and derivative change in half precision.
+    "random_gamma"})
 
 MIN_REDUCTION_SIZE = 16
 

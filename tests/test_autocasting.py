@@ -487,3 +487,75 @@ def test_linear_algebra_and_ffts_on_a_matmul_run_in_float32(name):
   assert audit(autocast(fun, jnp.bfloat16), x, w).count(
       primitive="dot_general", operand_dtype="bf16", accumulation="f32") == audit(
           fun, x, w).count(primitive="dot_general")
+
+
+def _matmul_input():
+  rng = np.random.default_rng(1)
+  return (jnp.asarray(rng.normal(size=(4, 6)), jnp.float32),
+          jnp.asarray(rng.normal(size=(6, 8)) / 4, jnp.float32))
+
+
+@pytest.mark.usefixtures("standard_promotion")  # x + 1j
+@pytest.mark.parametrize("name", ["complex_times_real", "lax_complex", "conj"])
+def test_complex_values_keep_their_parts(name):
+  """A complex x real matmul lost its imaginary part (the real operand went
+  to bf16, the product to a float32 output); ``lax.complex`` and ``conj`` of
+  a matmul's bf16 result were refused by JAX. Oracle: the float32 function."""
+  fun = {"complex_times_real": lambda x, w: (x + 1j) @ w,
+         "lax_complex": lambda x, w: lax.complex(x @ w, 2 * (x @ w)) * 1j,
+         "conj": lambda x, w: lax.conj(x @ w)}[name]
+  x, w = _matmul_input()
+  ref = fun(x, w)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    out = jax.jit(autocast(fun, dtype))(x, w)
+    assert out.dtype == ref.dtype
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * float(jnp.abs(ref).max()))
+
+
+def test_a_float_times_int8_matmul_keeps_its_dtypes_and_gradient():
+  """The int8 operand's dtype was the cotangent's in the backward product:
+  the gradient came back truncated to integers. Oracle: jax.grad of the
+  float32 function, bit for bit (the product runs as written)."""
+  y = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32)
+  q = jnp.asarray(np.random.default_rng(1).integers(-3, 4, (3, 8)), jnp.int8)
+  f = lambda y: jnp.sum(lax.dot_general(y, q, (((1,), (1,)), ((), ()))) ** 2)  # pylint: disable=unnecessary-lambda-assignment
+  np.testing.assert_array_equal(jax.grad(autocast(f, jnp.bfloat16))(y), jax.grad(f)(y))
+
+
+def test_a_large_pooling_window_sums_in_float32():
+  """``reduce_window_sum`` over a 64 x 16 window (a global average pool)
+  summed in bf16 and gave 512 for 1024 ones; small windows stay in their
+  dtype, as small reductions do."""
+  x, w = jnp.ones((64, 8), jnp.float32), jnp.eye(8, 16, dtype=jnp.float32) + 1
+  pool = lambda x, w, window: lax.reduce_window(  # pylint: disable=unnecessary-lambda-assignment
+      (x @ w) / 9, 0.0, lax.add, window, (1, 1), "VALID")
+  big = jax.jit(autocast(lambda x, w: pool(x, w, (64, 16)), jnp.bfloat16))(x, w)
+  np.testing.assert_allclose(big, pool(x, w, (64, 16)), rtol=1e-6)
+  report = audit(autocast(lambda x, w: pool(x, w, (2, 2)), jnp.bfloat16), x, w)
+  assert not report.count(primitive="reduce_window_sum", operand_dtype="f32")
+
+
+def test_gamma_sampling_runs_in_float32():
+  """Gamma, beta and Dirichlet draws on a matmul's bf16 result ran their
+  rejection sampling in bf16. Oracle: the float32 function on the same
+  (bf16-rounded) concentrations and key, draw for draw."""
+  x, w = _matmul_input()
+  key = jax.random.key(0)
+  draw = lambda a: jax.random.gamma(key, a)  # pylint: disable=unnecessary-lambda-assignment
+  out = jax.jit(autocast(lambda x, w: draw(jnp.exp(x @ w) + 0.5), jnp.bfloat16))(x, w)
+  alpha = jnp.exp((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)) + 0.5
+  np.testing.assert_allclose(out, draw(alpha), rtol=2e-2)
+  assert out.dtype == jnp.float32
+
+
+@pytest.mark.usefixtures("standard_promotion")  # x / True
+def test_python_numbers_of_equal_value_are_different_arguments():
+  """1 and 1.0 (and 0.0 and -0.0) are equal dictionary keys: the second call
+  ran the first one's trace (an int32 result for a float, inf for -inf)."""
+  f = lambda x, s: (x @ x.T / s, jnp.asarray(s) * 3)  # pylint: disable=unnecessary-lambda-assignment
+  x = jnp.ones((2, 2))
+  g = autocast(f, jnp.bfloat16)
+  for s in (1, 1.0, True, 0.0, -0.0):
+    got, want = g(x, s), f(x, s)
+    assert [a.dtype for a in got] == [a.dtype for a in want], s
+    np.testing.assert_array_equal(got[0], want[0])

@@ -140,9 +140,12 @@ def _float_positions(eqn) -> list[int]:
 def _white(eqn, invals, rules):
   floats = _float_positions(eqn)
   orig = [eqn.invars[i].aval.dtype for i in floats]
-  if not floats or any(_bits(d) <= 8 for d in orig):
-    # Integer or fp8 (quantised) arithmetic keeps its dtypes; the engine gives
-    # an fp8 product float32 accumulation, as `wrap` does.
+  if len(floats) < len(eqn.invars) or not floats or any(_bits(d) <= 8 for d in orig):
+    # Integer, complex or fp8 (quantised) operands, alone or beside a real
+    # float one, keep their dtypes (a half x int8 product would differentiate
+    # through an int8 cotangent, and a complex x half one lose its imaginary
+    # part); the engine gives an fp8 product float32 accumulation, as `wrap`
+    # does.
     return _follow(eqn, invals)
   vals = [_as(x, rules.compute) if i in floats else x
           for i, x in enumerate(invals)]
@@ -174,6 +177,8 @@ def _is_large(eqn, rules) -> bool:
   shape = eqn.invars[0].aval.shape if eqn.invars else ()
   if name in _REDUCE_AXES:
     size = math.prod(shape[a] for a in eqn.params["axes"])
+  elif name == "reduce_window_sum":  # pooling: the window's size
+    size = math.prod(eqn.params["window_dimensions"])
   elif name in _CUMULATIVE:
     size = shape[eqn.params["axis"]]
   else:

@@ -219,6 +219,10 @@ def _freeze(x):
     return (type(x).__name__, tuple(map(_freeze, x)))
   if isinstance(x, dict):
     return ("dict", tuple((k, _freeze(v)) for k, v in x.items()))
+  if isinstance(x, (bool, int, float, complex)):
+    # 1, 1.0 and True are equal keys, and so are 0.0 and -0.0; the traces
+    # they give are not (int32 against float32, inf against -inf).
+    return (type(x).__name__, repr(x))
   return x
 
 
