@@ -46,7 +46,8 @@ logistic              binary_cross_entropy_with_logits        --
 erf_inv               erfinv                                  --
 acos, asin, cosh,     acos, asin, cosh, sinh, tan             --
 sinh, tan
-reduce_sum, _prod     sum, prod                               --
+reduce_sum, _prod,    sum, prod, avg_pool                     --
+reduce_window_sum
 reduce_max            softmax, log_softmax                    --
 cumsum, cumprod,      cumsum, cumprod                         --
 cumlogsumexp
@@ -54,6 +55,8 @@ psum, reduce_scatter  (FSDP's ``reduce_dtype``)               --
 lu, qr, svd, eigh,    linalg_*, fft_* (its CPU list; they     --
 fft, cholesky,        have no half kernels in JAX either)
 triangular_solve...
+complex, conj         (complex values: complex64 and up)      --
+random_gamma          (sampling is not autocast)              --
 ====================  ======================================  ==============================
 
 Softmax, log-softmax, logsumexp and layer/RMS normalisation are built from
