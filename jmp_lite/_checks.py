@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jmp_lite._dtypes import is_floating
 from jmp_lite._dtypes import is_inexact
 from jmp_lite import _elementwise
 from jmp_lite import _exact
@@ -39,28 +40,16 @@ def grads_match_params(grads: Any, params: Any) -> None:
       raise ValueError(
           f"with_loss_scale.update: gradient {jax.tree_util.keystr(path)} has shape "
           f"{np.shape(g)} but its parameter has shape {np.shape(p)}.")
-    p_kind, g_kind = _kind(p), _kind(g)
-    # A float parameter needs a float gradient (jax.grad gives float0 to
-    # integer parameters only), and a real one a real gradient: optax would
-    # otherwise fail inside the optimizer, or return complex updates.
-    if p_kind == "f" and g_kind != "f":
+    # A float parameter needs a real float gradient (jax.grad gives float0
+    # to integer parameters only): optax would otherwise fail inside the
+    # optimizer, or return complex updates.
+    if is_floating(p) and not (is_floating(g) or type(g) is float):
+      complex_g = is_inexact(g)
       raise TypeError(
           f"with_loss_scale.update: gradient {jax.tree_util.keystr(path)} is "
           f"{_dtype_name(g)} but its parameter is {_dtype_name(p)}: a "
-          f"{'real ' if g_kind == 'c' else ''}floating parameter needs a "
-          f"{'real ' if g_kind == 'c' else ''}floating gradient.")
-
-
-def _kind(x) -> str:
-  """'f' (real floating), 'c' (complex), or 'o' (anything else: integers,
-  booleans, float0) for an array or a Python number."""
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
-    return {float: "f", complex: "c"}.get(type(x), "o")
-  if dtype == jax.dtypes.float0:
-    return "o"
-  return "f" if jnp.issubdtype(dtype, jnp.floating) else (
-      "c" if jnp.issubdtype(dtype, jnp.complexfloating) else "o")
+          f"{'real ' if complex_g else ''}floating parameter needs a "
+          f"{'real ' if complex_g else ''}floating gradient.")
 
 
 def _dtype_name(x) -> str:
