@@ -11,7 +11,13 @@ each equation's dtypes chosen by three rules:
   rounds a value to half precision and back. (``dot_general`` operands are
   also put in the canonical ``[batch, free, contract] x [batch, contract,
   free]`` layout: XLA folds the transposes, and XLA:CPU rejects some other
-  layouts of a bf16 x bf16 -> f32 dot at run time.)
+  layouts of a bf16 x bf16 -> f32 dot at run time.) A matmul or convolution
+  that asks for precision runs at the dtypes it was traced with:
+  ``precision=Precision.HIGH`` or ``HIGHEST``, or an algorithm preset whose
+  operands cannot be the compute dtype (``F32_F32_F32``; ``F16_F16_F32``
+  under bfloat16). Its author asked for full products, as
+  ``jax.scipy.linalg.expm`` (whose float16 Pade products overflow),
+  ``jnp.linalg.pinv`` and ``lstsq`` do.
 * **black list** (run in float32): floating operands narrower than float32 are
   upcast; the result is float32. Reductions are black-listed only when they
   are *large*: when they combine at least ``min_reduction_size`` elements

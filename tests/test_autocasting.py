@@ -559,3 +559,36 @@ def test_python_numbers_of_equal_value_are_different_arguments():
     got, want = g(x, s), f(x, s)
     assert [a.dtype for a in got] == [a.dtype for a in want], s
     np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_expm_of_a_matmul_keeps_its_highest_precision_products():
+  """``jax.scipy.linalg.expm`` asks for ``Precision.HIGHEST`` products; run in
+  float16 they overflowed (the gradient came back NaN) and in bfloat16 the
+  result was 43% off. A product that asks for full precision runs at its
+  traced dtypes. Oracle: jax.grad of the float32 function."""
+  a = jnp.ones((8, 8), jnp.float32) * 0.1 + jnp.eye(8)
+  b = jnp.eye(8, dtype=jnp.float32) * 2 + 0.1
+  f = lambda a, b: jnp.sum(jax.scipy.linalg.expm(a @ b))  # pylint: disable=unnecessary-lambda-assignment
+  ref = jax.grad(f)(a, b)
+  for dtype, short in ((jnp.bfloat16, "bf16"), (jnp.float16, "f16")):
+    got = jax.jit(jax.grad(autocast(f, dtype)))(a, b)
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * float(jnp.abs(ref).max()))
+    # a @ b itself still runs in half.
+    assert audit(autocast(f, dtype), a, b).count(
+        primitive="dot_general", operand_dtype=short) == 1
+
+
+@pytest.mark.parametrize("precision, operands", [
+    (None, BF16), (lax.Precision.DEFAULT, BF16), (lax.Precision.HIGHEST, F32),
+    ((lax.Precision.DEFAULT, lax.Precision.HIGH), F32),
+    (lax.DotAlgorithmPreset.F32_F32_F32, F32), (lax.DotAlgorithmPreset.BF16_BF16_F32, BF16),
+    (lax.DotAlgorithmPreset.F16_F16_F32, F32)])
+def test_a_matmul_that_asks_for_precision_runs_as_written(precision, operands):
+  """What the author asked for with ``precision=`` is kept: HIGH/HIGHEST and
+  presets whose operands cannot be bfloat16 leave the product at its traced
+  (float32) dtypes; the default, and a bf16 preset, run in bf16."""
+  x, w = _matmul_input()
+  f = lambda x, w: jnp.tanh(jnp.dot(x, w, precision=precision))  # pylint: disable=unnecessary-lambda-assignment
+  closed = jax.make_jaxpr(autocast(f, jnp.bfloat16))(x, w)
+  dots = [e for e in equations(closed.jaxpr) if "dot_general" in e.primitive.name]
+  assert dots and all(v.aval.dtype == operands for e in dots for v in e.invars), dots

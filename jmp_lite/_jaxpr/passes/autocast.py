@@ -127,10 +127,32 @@ def _eval_eqn(eqn, invals, rules):
     _traverse.warn_not_entered(eqn, "autocast")
     return _bind(eqn, _restore(eqn, invals))
   if name in rules.white:
+    if _asks_for_precision(eqn.params.get("precision"), rules.compute):
+      return _bind(eqn, _restore(eqn, invals))
     return _white(eqn, invals, rules)
   if name in rules.black and _is_large(eqn, rules):
     return _black(eqn, invals)
   return _follow(eqn, invals)
+
+
+def _asks_for_precision(precision, compute) -> bool:
+  """Whether a matmul's ``precision`` asks for more than ``compute`` operands give.
+
+  ``Precision.HIGH``/``HIGHEST`` (full float32 products: what
+  ``jax.scipy.linalg.expm``, ``jnp.linalg.lstsq`` and ``pinv`` ask for, and
+  what an author writes to say "not in half"), or an algorithm preset whose
+  operands cannot be ``compute`` (``F32_F32_F32``, ``TF32_TF32_F32``,
+  ``BF16_BF16_F32_X3``; ``F16_F16_F32`` under bfloat16). Such a matmul runs
+  at the dtypes it was traced with. (expm's Pade products in float16
+  overflowed to NaN.)
+  """
+  if isinstance(precision, lax.DotAlgorithmPreset):
+    types = precision.supported_lhs_types
+    return types is not None and np.dtype(compute) not in map(np.dtype, types)
+  if precision is None:
+    return False
+  parts = precision if isinstance(precision, (tuple, list)) else (precision,)
+  return any(p in (lax.Precision.HIGH, lax.Precision.HIGHEST) for p in parts)
 
 
 def _float_positions(eqn) -> list[int]:
