@@ -46,7 +46,9 @@ conv_general_dilated  conv1d/2d/3d, conv_transpose1d/2d/3d    nn.Conv1d/2d/3d an
 **black**
 exp, exp2, expm1      exp, expm1                              --
 log, log1p            log, log10, log2, log1p                 --
-pow                   pow                                     --
+pow, integer_pow,     pow (``x ** 2``; float16's range ends   --
+square                at 65504, so a square overflows from
+                      256)
 rsqrt                 rsqrt, layer_norm, group_norm, norm     nn.LayerNorm, nn.BatchNorm*d
 logistic              binary_cross_entropy_with_logits        --
 erf_inv               erfinv                                  --

@@ -22,7 +22,8 @@ DEFAULT_WHITE_LIST: frozenset[str] = frozenset({
     "dot_general", "conv_general_dilated"})
 
 DEFAULT_BLACK_LIST: frozenset[str] = frozenset({
-    "exp", "exp2", "expm1", "log", "log1p", "pow", "rsqrt", "logistic",
+    "exp", "exp2", "expm1", "log", "log1p", "pow", "integer_pow", "square",
+    "rsqrt", "logistic",
     "erf_inv", "acos", "asin", "cosh", "sinh", "tan",
     "reduce_sum", "reduce_prod", "reduce_max", "reduce_window_sum",
     "cumsum", "cumprod", "cumlogsumexp",

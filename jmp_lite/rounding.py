@@ -269,11 +269,14 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
       applied = new32 - p32
       return applied, (y - applied).astype(c.dtype)
 
-    pairs = jax.tree.map(one, updates, params, state.compensation)
-    is_pair = lambda x: isinstance(x, tuple)
-    new_updates = jax.tree.map(lambda t: t[0], pairs, is_leaf=is_pair)
-    comp = jax.tree.map(lambda t: t[1], pairs, is_leaf=is_pair)
-    return new_updates, KahanState(comp)
+    # Split by the updates' structure, not by `isinstance(x, tuple)`: the
+    # parameters' own tuples (``(w, b)``, an Equinox MLP's layers) are tuples
+    # too, and were taken for (update, compensation) pairs.
+    leaves, treedef = jax.tree.flatten(updates)
+    pairs = [one(u, p, c) for u, p, c in zip(
+        leaves, treedef.flatten_up_to(params), treedef.flatten_up_to(state.compensation))]
+    return (treedef.unflatten([u for u, _ in pairs]),
+            KahanState(treedef.unflatten([c for _, c in pairs])))
 
   return optax.GradientTransformation(init, update)
 

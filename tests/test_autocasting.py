@@ -592,3 +592,31 @@ def test_a_matmul_that_asks_for_precision_runs_as_written(precision, operands):
   closed = jax.make_jaxpr(autocast(f, jnp.bfloat16))(x, w)
   dots = [e for e in equations(closed.jaxpr) if "dot_general" in e.primitive.name]
   assert dots and all(v.aval.dtype == operands for e in dots for v in e.invars), dots
+
+
+@pytest.mark.parametrize("square", [lambda y: y ** 2, jnp.square, lambda y: y ** 3])
+def test_powers_of_a_float16_matmul_run_in_float32(square):
+  """``(x @ w) ** 2`` (a squared error) in float16 overflowed to inf from
+  |x @ w| = 256; torch.autocast runs ``pow`` in float32, and so do
+  ``integer_pow`` and ``square`` here. Oracle: the float32 function."""
+  x = jnp.full((4, 8), 100.0, jnp.float32)  # x @ w - 1 = 299
+  w = jnp.eye(8, dtype=jnp.float32) + 0.25
+  f = lambda x, w: jnp.mean(square(x @ w - 1.0))  # pylint: disable=unnecessary-lambda-assignment
+  got = jax.jit(autocast(f, jnp.float16))(x, w)
+  np.testing.assert_allclose(got, f(x, w), rtol=2e-3)
+  g = jax.jit(jax.grad(autocast(f, jnp.float16)))(x, w)
+  np.testing.assert_allclose(g, jax.grad(f)(x, w), rtol=2e-2)
+
+
+def test_solve_on_bf16_operands_runs():
+  """``custom_linear_solve`` keeps its jaxprs in a named tuple, which the
+  engine rebuilt from a list (TypeError: missing 'vecmat', 'solve' and
+  'transpose_solve'). Oracle: float32 ``jnp.linalg.solve`` of the same
+  bf16-rounded operands, to bf16's rounding."""
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.normal(size=(6, 6)) + 4 * np.eye(6), jnp.bfloat16)
+  b = jnp.asarray(rng.normal(size=(6,)), jnp.bfloat16)
+  got = autocast(jnp.linalg.solve, jnp.bfloat16)(a, b)
+  want = jnp.linalg.solve(a.astype(jnp.float32), b.astype(jnp.float32))
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=0, atol=2e-2)

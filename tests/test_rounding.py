@@ -159,3 +159,22 @@ def test_rounding_transforms_need_params():
   for tx in (jo.stochastic_round(jax.random.key(0)), jo.kahan_summation()):
     with pytest.raises(ValueError, match="needs params"):
       tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}))
+
+
+@pytest.mark.parametrize("make", [jo.kahan_summation, lambda: jo.stochastic_round(jax.random.key(0))])
+def test_parameters_held_in_tuples_get_their_own_updates(make):
+  """Kahan split its (update, compensation) pairs with ``isinstance(x,
+  tuple)``, which also matched a parameter tree's own tuples: with params
+  ``(w, b)``, ``b`` received ``w``'s compensation instead of its update.
+  Oracle: the same parameters held in a dict, leaf for leaf."""
+  w, b = jnp.ones((2,), jnp.bfloat16), jnp.full((2,), 2.0, jnp.bfloat16)
+  g = (jnp.full((2,), 1e-3, jnp.float32), jnp.full((2,), 5.0, jnp.float32))
+  tx = make()
+  # Keys in the tuple's leaf order: stochastic rounding draws per leaf.
+  as_dict, _ = tx.update({"a": g[0], "b": g[1]}, tx.init({"a": w, "b": b}), {"a": w, "b": b})
+  as_tuple, _ = tx.update(g, tx.init((w, b)), (w, b))
+  assert jax.tree.structure(as_tuple) == jax.tree.structure((w, b))
+  assert_trees_bitwise_equal(as_tuple, (as_dict["a"], as_dict["b"]))
+  nested = ((w, (b,)), [w])
+  updates, _ = tx.update(((g[0], (g[1],)), [g[0]]), tx.init(nested), nested)
+  assert jax.tree.structure(updates) == jax.tree.structure(nested)

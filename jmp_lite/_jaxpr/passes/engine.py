@@ -173,7 +173,10 @@ class _Rewriter:
     if isinstance(value, (tuple, list)) and any(
         isinstance(v, (jex.core.ClosedJaxpr, jex.core.Jaxpr)) for v in value):
       new = [self.param(eqn, key, v) for v in value]
-      return value if all(a is b for a, b in zip(new, value)) else type(value)(new)
+      if all(a is b for a, b in zip(new, value)):
+        return value
+      # A named tuple (custom_linear_solve's jaxprs) takes its fields one by one.
+      return type(value)(*new) if hasattr(value, "_fields") else type(value)(new)
     where = (eqn.primitive.name, key)
     if where == _internals.JVP_THUNK:
       return self.thunk(value, lambda jaxpr, consts, zeros: (
