@@ -38,12 +38,22 @@ def where(pred: jax.Array, a: jax.Array, b: Any) -> jax.Array:
   """``jnp.where(pred, a, b)`` for a scalar or ``a``-shaped ``pred``, ``b`` of
   ``a``'s dtype: an array of ``a``'s shape, a scalar array or a number."""
   if not isinstance(b, jax.Array):
-    b = lax.full_like(a, b) if np.ndim(b) == 0 else jnp.asarray(b)
+    b = jnp.asarray(b, a.dtype)
   if np.shape(b) != np.shape(a):
-    b = lax.broadcast_in_dim(b, np.shape(a), ())
+    b = broadcast_like(b, a)
   if np.shape(pred) != np.shape(a):
-    pred = lax.broadcast_in_dim(pred, np.shape(a), ())
+    pred = broadcast_like(pred, a)
   return lax.select(pred, a, b)
+
+
+def broadcast_like(x: jax.Array, a: jax.Array) -> jax.Array:
+  """Scalar ``x`` broadcast to ``a``'s shape, sharded as ``a`` is on a mesh
+  with explicit axes (where `lax.select` refuses operands sharded apart)."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if not spec or all(s is None for s in spec):
+    return lax.broadcast_in_dim(x, np.shape(a), ())
+  return lax.broadcast_in_dim(x, np.shape(a), (), out_sharding=sharding)
 
 
 def add_rounded(p: Any, u: Any) -> jax.Array:

@@ -157,18 +157,27 @@ def _check_same_run(single, sharded, natural_overflows=True, atol=2e-4):
     assert np.isfinite(np.asarray(a)).all()
 
 
-def _placements(kind):
-  """(shard_params, shard_batch) for a single device, a data mesh, or data x model."""
+def _placements(kind, auto=True):
+  """(shard_params, shard_batch) for a single device, a data mesh, or data x
+  model; ``auto=False``: mesh axes of type Explicit (``jax.make_mesh``'s default)."""
   if kind == "single":
     dev = jax.devices()[0]
     put = lambda t: jax.device_put(t, dev)
     return put, put
   if kind == "data":
-    mesh = _mesh((8,), ("data",))
+    mesh = _mesh((8,), ("data",), auto)
     rep = NamedSharding(mesh, P())
     return (lambda t: jax.device_put(t, rep),
             lambda b: jax.device_put(b, NamedSharding(mesh, P("data"))))
-  mesh = _mesh((4, 2), ("data", "model"))
+  if kind == "fsdp":  # kernels (and their moments) split along their first axis
+    mesh = _mesh((8,), ("data",), auto)
+
+    def split(x):
+      spec = P("data") if np.ndim(x) == 2 and np.shape(x)[0] % N_DEVICES == 0 else P()
+      return jax.device_put(x, NamedSharding(mesh, spec))
+    return (lambda t: jax.tree.map(split, t),
+            lambda b: jax.device_put(b, NamedSharding(mesh, P("data"))))
+  mesh = _mesh((4, 2), ("data", "model"), auto)
   specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
 
   def shard_params(tree):
@@ -194,6 +203,22 @@ def test_jit_sharded_train_state_matches_one_device(kind):
   if kind == "data_x_model":
     # Parameters stayed sharded over the model axis; the optimizer state too.
     assert params8["w1"].sharding.spec == P(None, "model")
+    assert not params8["w1"].sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("kind", ["data", "fsdp"])
+def test_jit_sharded_train_state_on_explicit_axes_matches_one_device(kind, monkeypatch):
+  """On a mesh of Explicit axes the guard's per-element selects broadcast
+  their predicate unsharded, and ``lax.select`` refused it against a sharded
+  parameter (ShardingTypeError) where plain optax ran. Every array is checked
+  on a copy of the step here (`COPY_FROM` = 1), the path that broadcasts."""
+  from jmp_lite import _checks
+  monkeypatch.setattr(_checks, "COPY_FROM", 1)
+  trace1, params1, _ = _train_state_one_device()
+  trace8, params8, _ = _run_train_state(*_placements(kind, auto=False))
+  _check_same_run((trace1, params1), (trace8, params8))
+  if kind == "fsdp":  # parameters and optimizer state stay split
+    assert params8["w1"].sharding.spec in (P("data"), P("data", None))
     assert not params8["w1"].sharding.is_fully_replicated
 
 

@@ -223,7 +223,16 @@ def _cpu_dot(lhs, rhs, *, partitioned, out_dtype, reduce_dtype,
     # ``preferred_element_type=float32``; other platforms keep the preset.
     precision = None
   del preferred_element_type  # float32, or narrower by ``reduce_dtype``
+  given = lhs
   lhs, rhs, dims = canonicalize(lhs, rhs, dimension_numbers, partitioned)
+  if lhs is given and not partitioned:
+    # Already ``[batch, free, contract]`` here, but maybe a transpose that XLA
+    # would fold into the dot (a cotangent transposed back by the model's
+    # own code: ``vmap(lambda v: w @ v + b)``, an Equinox Linear), and XLA:CPU
+    # has no kernel for a bf16 x bf16 -> f32 dot whose lhs contracts its first
+    # dimension ("Unsupported element type for DotThunk"). The copy is free
+    # when the lhs is row-major already.
+    lhs = _materialize(lhs)
   out = lax.dot_general(lhs, rhs, dims, precision=precision,
                         preferred_element_type=_partial_sum_dtype(
                             out_dtype, reduce_dtype),
