@@ -147,6 +147,9 @@ def _compute_dtype(policy_or_dtype) -> np.dtype:
   if isinstance(policy_or_dtype, Policy):
     p = policy_or_dtype
     return p.autocast_dtype if p.autocast_dtype is not None else p.compute_dtype
+  if policy_or_dtype is None:  # np.dtype(None) is float64
+    raise TypeError("autocast expects a Policy, a policy string or a dtype,"
+                    " got None.")
   try:
     dtype = np.dtype(jax.numpy.dtype(policy_or_dtype))
   except TypeError as e:
@@ -157,12 +160,24 @@ def _compute_dtype(policy_or_dtype) -> np.dtype:
   return dtype
 
 
+def _names(ops, which: str) -> frozenset[str]:
+  if isinstance(ops, (str, bytes)) or callable(ops):
+    # A string is a collection of characters: "exp" read as "e", "x", "p".
+    raise TypeError(f"{which} must be a collection of ops, got {ops!r}; write"
+                    f" [{ops!r}].")
+  return frozenset(map(primitive_name, ops or ()))
+
+
 def _make_rules(policy_or_dtype, white_list, black_list, min_reduction_size):
-  white_extra = frozenset(map(primitive_name, white_list or ()))
-  black_extra = frozenset(map(primitive_name, black_list or ()))
+  white_extra = _names(white_list, "white_list")
+  black_extra = _names(black_list, "black_list")
   both = white_extra & black_extra
   if both:
     raise ValueError(f"{sorted(both)} given in both white_list and black_list.")
+  if (isinstance(min_reduction_size, (bool, np.bool_))
+      or not isinstance(min_reduction_size, (int, np.integer))):
+    raise TypeError(f"min_reduction_size must be a whole number >= 1, got"
+                    f" {min_reduction_size!r}.")
   if min_reduction_size < 1:
     raise ValueError(f"min_reduction_size must be >= 1, got"
                      f" {min_reduction_size}.")

@@ -392,10 +392,14 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
 def select_tree(pred: jax.Array, a: T, b: T) -> T:
   """Selects a pytree based on the given predicate: ``a`` if ``pred`` else ``b``.
 
+  Leaves that are not arrays or numbers (an Equinox model's activation
+  functions) are kept if they are the same object in ``a`` and ``b``.
+
   Raises:
     _FlagError: (a ValueError) if ``pred`` is not a boolean scalar.
     ValueError: if ``a`` and ``b`` differ in structure, or a leaf differs in
       shape or dtype (the message names its path).
+    TypeError: if a leaf that is not an array differs between ``a`` and ``b``.
   """
   pred = _check_flag(pred, "select_tree(pred)")
   a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
@@ -412,6 +416,17 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
         f"  a: {a_def}\n  b: {b_def}")
   out = []
   for (path, x), (_, y) in zip(a_leaves, b_leaves):
+    if not all(isinstance(v, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+               for v in (x, y)):
+      # A model's own non-array leaves (an Equinox activation function): the
+      # same object in both trees is kept; anything else cannot be selected.
+      if x is y:
+        out.append(x)
+        continue
+      raise TypeError(
+          f"select_tree: leaf {jax.tree_util.keystr(path)} is {x!r} in a and {y!r} "
+          "in b: only arrays and numbers can be selected (a leaf that is not one "
+          "must be the same object in both trees).")
     sx, sy = jax.eval_shape(lambda: x), jax.eval_shape(lambda: y)
     if (sx.shape, sx.dtype) != (sy.shape, sy.dtype):
       raise ValueError(

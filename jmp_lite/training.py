@@ -142,6 +142,14 @@ def value_and_grad(
       raise TypeError(
           "value_and_grad: loss_scale must be a jmp_lite loss scale, e.g. "
           f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if nums and max(nums) >= len(args):
+      # Checked here: past this point the loss scale is a positional
+      # argument too, and JAX's own message would count it.
+      raise TypeError(
+          f"value_and_grad: differentiating with respect to argnums={argnums} "
+          f"requires at least {max(nums) + 1} positional arguments, but got only "
+          f"{len(args)}.")
     step = kwargs.pop("telemetry_step", None) if telemetry is not None else None
     modules = None
     if getattr(type(loss_scale), "MEASURES", ()) == ("modules",):

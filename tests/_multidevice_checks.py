@@ -1024,3 +1024,25 @@ def test_module_loss_scale_under_shard_map_sums_what_the_devices_measured():
                                out_specs=spec))(sharded_state, x, y)
   for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(many.params)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("auto", [True, False], ids=["auto", "explicit"])
+def test_wrap_on_a_data_mesh_gathers_no_more_than_the_plain_model(auto):
+  """The bias add's downcast, moved after the broadcast by `wrap`, broadcast
+  to a replicated full-size operand: on a mesh of Explicit axes the backward
+  pass all-gathered the whole global batch of cotangents (f32[512, 256]) on
+  every device to sum the bias gradient. Oracle: the same model, unwrapped
+  at Flax's bf16 dtype, on the same mesh: no all-gather."""
+  import flax.linen as nn
+  import jmp_lite.flax
+  mesh = _mesh((8,), ("data",), auto)
+  x = jax.device_put(jnp.ones((512, 64)), NamedSharding(mesh, P("data")))
+  params = jax.device_put(nn.Dense(256).init(jax.random.key(0), jnp.ones((1, 64)))["params"],
+                          NamedSharding(mesh, P()))
+
+  def gathers(model):
+    grad = jax.jit(jax.grad(lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)))
+    return grad.lower(params, x).compile().as_text().count(" all-gather(")
+
+  assert gathers(jmp_lite.flax.wrap(nn.Dense(256), "p=f32,c=bf16,o=f32")) == gathers(
+      nn.Dense(256, dtype=jnp.bfloat16)) == 0

@@ -620,3 +620,17 @@ def test_solve_on_bf16_operands_runs():
   want = jnp.linalg.solve(a.astype(jnp.float32), b.astype(jnp.float32))
   assert got.dtype == jnp.bfloat16
   np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=0, atol=2e-2)
+
+
+@pytest.mark.usefixtures("standard_promotion")  # bf16 x float32 scalar
+def test_numpy_scalars_of_equal_value_are_different_arguments():
+  """np.int32(2) == np.float32(2) and np.float32(0.0) == np.float32(-0.0):
+  as cache keys, the second call ran the first one's trace (bf16 for a
+  float32 product, inf for -inf). Oracle: the function itself."""
+  x = jnp.ones((4,), jnp.bfloat16)
+  f = lambda x, s: (x * s, jnp.ones(2) / s)  # pylint: disable=unnecessary-lambda-assignment
+  g = autocast(f, jnp.bfloat16)
+  for s in (np.int32(2), np.float32(2), np.float32(0.0), np.float32(-0.0)):
+    got, want = g(x, s), f(x, s)
+    assert [a.dtype for a in got] == [a.dtype for a in want], s
+    np.testing.assert_array_equal(got[1], want[1])

@@ -281,6 +281,23 @@ CASES = [
     ("assert_single_compile n_steps 1",
      lambda: testing.assert_single_compile(lambda s: s, jnp.ones(()), n_steps=1),
      ValueError, ["1"]),
+    # ------------------------------------------------------------- autocast
+    # None was read as float64 (np.dtype(None)), a string as its characters.
+    ("autocast None", lambda: jmp_lite.autocast(jnp.sum, None), TypeError, ["None"]),
+    ("autocast white_list string", lambda: jmp_lite.autocast(jnp.sum, "bf16", white_list="exp"),
+     TypeError, ["white_list", "'exp'"]),
+    ("autocast black_list string", lambda: jmp_lite.autocast(jnp.sum, "bf16", black_list="log"),
+     TypeError, ["black_list", "'log'"]),
+    ("autocast fractional min_reduction_size",
+     lambda: jmp_lite.autocast(jnp.sum, "bf16", min_reduction_size=2.5),
+     TypeError, ["min_reduction_size", "2.5"]),
+    # The loss scale is a positional argument inside: JAX's message said 4, 5 and 2.
+    ("value_and_grad argnums past the arguments",
+     _vg(lambda w: jnp.sum(w), jnp.ones(3), argnums=3), TypeError, ["argnums=3", "4", "1"]),
+    ("select_tree different non-array leaves",
+     lambda: jmp_lite.select_tree(jnp.bool_(True), {"f": jax.nn.relu, "w": jnp.ones(2)},
+                                  {"f": jax.nn.gelu, "w": jnp.ones(2)}),
+     TypeError, ["['f']", "gelu"]),
 ]
 
 

@@ -1006,3 +1006,14 @@ def test_no_warnings_for_float_construction():
     jmp_lite.DynamicLossScale(2.0 ** 15)
     jmp_lite.DynamicLossScale(jnp.float32(2.0), min_loss_scale=jnp.float32(1.0))
     jmp_lite.StaticLossScale(2)
+
+
+def test_select_tree_keeps_a_model_s_own_non_array_leaves():
+  """An Equinox model holds its activation functions as leaves: selecting
+  between a model and its update failed inside ``eval_shape`` without
+  naming the leaf. The same object in both trees is kept."""
+  new = {"act": jax.nn.relu, "w": jnp.ones(2), "name": "mlp"}
+  old = {"act": jax.nn.relu, "w": jnp.zeros(2), "name": "mlp"}
+  out = jax.jit(lambda pred: jmp_lite.select_tree(pred, new, old)["w"])(jnp.bool_(False))
+  np.testing.assert_array_equal(out, old["w"])
+  assert jmp_lite.select_tree(jnp.bool_(True), new, old)["act"] is jax.nn.relu

@@ -31,6 +31,7 @@ from jmp_lite._jaxpr.internals.jaxprs import DropVar
 from jmp_lite._jaxpr.internals.jaxprs import eqn_context
 from jmp_lite._jaxpr.internals.jaxprs import eqn_inputs
 from jmp_lite._jaxpr.internals.jaxprs import eval_jaxpr
+from jmp_lite._jaxpr.internals.jaxprs import explicit_sharding
 from jmp_lite._jaxpr.internals.jaxprs import FWD_THUNK
 from jmp_lite._jaxpr.internals.jaxprs import higher_order_primitives
 from jmp_lite._jaxpr.internals.jaxprs import invars_to_constvars
@@ -76,6 +77,7 @@ __all__ = (
     "eqn_context",
     "eqn_inputs",
     "eval_jaxpr",
+    "explicit_sharding",
     "FWD_THUNK",
     "higher_order_primitives",
     "invars_to_constvars",

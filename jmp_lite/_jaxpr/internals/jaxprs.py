@@ -51,6 +51,18 @@ def new_var(aval):
   return core.Var(aval)
 
 
+def explicit_sharding(aval):
+  """``aval``'s sharding where it names a mesh axis (a mesh of explicit
+  axes puts shardings in types), else None.
+
+  Relies on `ShapedArray.sharding` (a `NamedSharding` over an abstract mesh,
+  JAX 0.6 onwards), the same object `jax.typeof(x).sharding` returns.
+  """
+  sharding = getattr(aval, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  return sharding if spec and any(s is not None for s in spec) else None
+
+
 def closed(jaxpr, consts):
   return core.ClosedJaxpr(jaxpr, consts)
 

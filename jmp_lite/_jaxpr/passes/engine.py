@@ -226,6 +226,8 @@ def _freeze(x):
     # 1, 1.0 and True are equal keys, and so are 0.0 and -0.0; the traces
     # they give are not (int32 against float32, inf against -inf).
     return (type(x).__name__, repr(x))
+  if isinstance(x, np.generic):  # np.int32(2) == np.float32(2), 0.0 == -0.0
+    return (x.dtype.str, x.tobytes())
   return x
 
 

@@ -147,11 +147,16 @@ def sink(eqns: list) -> list:
       for i, v in enumerate(invars):
         if (_is_var(v) and v in wide_of and tuple(v.aval.shape) != shape
             and len(v.aval.shape) == len(shape)):
-          full = _internals.new_var(v.aval.update(shape=shape))
+          # Sharded as the result is: on a mesh of explicit axes a
+          # replicated full-size operand makes the backward pass gather the
+          # whole batch of cotangents onto every device.
+          sharding = _internals.explicit_sharding(eqn.outvars[0].aval)
+          full = _internals.new_var(v.aval.update(shape=shape) if sharding is None
+                                    else v.aval.update(shape=shape, sharding=sharding))
           broadcast = _internals.replace_eqn(
               _internals.rewire(eqn, [v], [full]), lax.broadcast_in_dim_p,
               {"shape": shape, "broadcast_dimensions": tuple(range(len(shape))),
-               "sharding": None})
+               "sharding": sharding})
           move(broadcast, [v])
           invars[i] = full
       if invars != list(eqn.invars):
