@@ -8,7 +8,11 @@ each equation's dtypes chosen by three rules:
   ``preferred_element_type``. The result counts as compute dtype for the rules
   below, but autocast keeps the float32 accumulator and hands it unrounded to a
   consumer that runs in float32 (a bias add, a softmax): autocast itself never
-  rounds a value to half precision and back. (``dot_general`` operands are
+  rounds a value to half precision and back. Layout ops between them
+  (transpose, reshape, broadcast, slice) carry the accumulator as it is, and
+  a transpose that swaps a product's operand dimensions (``(w @ x.T).T``, a
+  weight gradient ``(g.T @ x).T``, a matmul under ``vmap``) is computed as
+  the product of the swapped operands. (``dot_general`` operands are
   also put in the canonical ``[batch, free, contract] x [batch, contract,
   free]`` layout: XLA folds the transposes, and XLA:CPU rejects some other
   layouts of a bf16 x bf16 -> f32 dot at run time.) A matmul or convolution

@@ -634,3 +634,39 @@ def test_numpy_scalars_of_equal_value_are_different_arguments():
     got, want = g(x, s), f(x, s)
     assert [a.dtype for a in got] == [a.dtype for a in want], s
     np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("form", ["plain", "transposed", "vmap", "reshaped"])
+def test_a_moved_product_reaches_a_float32_consumer_unrounded(form):
+  """A transpose or reshape between a matmul and its bias add rounded the
+  float32 accumulator to bf16 and back (error 3e-2 instead of 5e-7), though
+  autocast hands the accumulator to float32 consumers as it is. Oracle:
+  float64 products of the bf16-rounded operands."""
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  w, x = jax.random.normal(k1, (16, 8)), jax.random.normal(k2, (32, 8))
+  b = jax.random.normal(k3, (16,)) * 0.01
+  f = {"plain": lambda w, b, x: x @ w.T + b,
+       "transposed": lambda w, b, x: (w @ x.T).T + b,
+       "vmap": lambda w, b, x: jax.vmap(lambda v: w @ v + b)(x),  # an Equinox Linear
+       "reshaped": lambda w, b, x: (x @ w.T).reshape(32, 4, 4).reshape(32, 16) + b}[form]
+  rounded = lambda a: np.asarray(a.astype(jnp.bfloat16), np.float64)  # pylint: disable=unnecessary-lambda-assignment
+  want = rounded(x) @ rounded(w).T + np.asarray(b, np.float64)
+  got = np.asarray(jax.jit(autocast(f, jnp.bfloat16))(w, b, x), np.float64)
+  assert np.max(np.abs(got - want)) < 1e-5
+
+
+def test_weight_gradients_of_autocast_grad_are_not_rounded_to_half():
+  """``autocast(jax.grad(f))``: JAX computes a weight gradient as ``(g.T @
+  x).T``; the transpose rounded the float32 product to bf16 (and XLA then
+  transposed it in bf16), so the gradient returned in float32 carried bf16's
+  rounding. The transpose is now the product of the swapped operands, with
+  no transpose left in the program. Oracle: the column sums of the
+  bf16-rounded inputs in float64, which ``d sum(x @ w) / dw`` is."""
+  x = jax.random.normal(jax.random.key(0), (64, 8))
+  w = jnp.ones((8, 4))
+  grad = autocast(jax.grad(lambda w, x: jnp.sum(x @ w)), jnp.bfloat16)
+  got = np.asarray(jax.jit(grad)(w, x), np.float64)
+  col = np.asarray(x.astype(jnp.bfloat16), np.float64).sum(axis=0)
+  np.testing.assert_allclose(got, np.repeat(col[:, None], 4, axis=1), rtol=1e-6, atol=1e-6)
+  closed = jax.make_jaxpr(grad)(w, x)
+  assert not [e for e in equations(closed.jaxpr) if e.primitive.name == "transpose"]

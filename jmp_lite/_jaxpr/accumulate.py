@@ -237,6 +237,14 @@ def _cpu_dot(lhs, rhs, *, partitioned, out_dtype, reduce_dtype,
                         preferred_element_type=_partial_sum_dtype(
                             out_dtype, reduce_dtype),
                         out_sharding=out_sharding)
+  if (not partitioned
+      and np.dtype(out_dtype).itemsize > np.dtype(lhs.dtype).itemsize):
+    # A wide result that may be read by a transpose (autocast keeps a
+    # product float32 for a float32 consumer): XLA folds ``transpose(dot(a,
+    # b))`` into ``dot(b, a)`` with both operands contracting their first
+    # dimension, which XLA:CPU cannot run in bf16 either. (A narrow result's
+    # rounding stands between them already.)
+    out = lax.optimization_barrier(out)
   return lax.convert_element_type(out, out_dtype)
 
 

@@ -29,6 +29,12 @@ _core = jex.core
 # size, so that the softmax `x - max(x)` is computed in float32.)
 _REDUCE_AXES = frozenset({"reduce_sum", "reduce_prod"})
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cumlogsumexp"})
+# Ops that move or copy elements without arithmetic: a float32 accumulator
+# goes through them as it is (kept `_Wide`), so that a transposed or
+# reshaped product (``(w @ x.T).T + b``, ``vmap(lambda v: w @ v + b)``)
+# reaches a float32 consumer unrounded, like ``x @ w.T + b`` does.
+_LAYOUT = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze",
+                     "expand_dims", "rev", "slice", "dynamic_slice", "copy", "copy_p"})
 # Ops that must see the dtypes they were traced with.
 _OPAQUE = frozenset({"bitcast_convert_type", "pure_callback", "io_callback",
                      "debug_callback", "xla_pmap"})
@@ -41,10 +47,32 @@ _OPAQUE = frozenset({"bitcast_convert_type", "pure_callback", "io_callback",
 
 
 class _Wide:
-  __slots__ = ("value", "dtype")
+  """A float32 accumulator that counts as ``dtype`` for the rules.
 
-  def __init__(self, value, dtype):
-    self.value, self.dtype = value, dtype
+  A matmul's is computed when first read (``product``: its operands and
+  parameters): a transpose that swaps its operands' dimensions takes the
+  product of the swapped operands instead (`_transposed_product`), and the
+  unswapped one is then never traced.
+  """
+
+  __slots__ = ("_value", "dtype", "product", "twin", "perm")
+
+  def __init__(self, value, dtype, product=None):
+    self._value, self.dtype, self.product = value, dtype, product
+    # The same product with swapped operands, and the permutation that takes
+    # the twin's value to this one's: whichever is read second is the
+    # other's transpose, so that no product is computed twice.
+    self.twin = self.perm = None
+
+  @property
+  def value(self):
+    if self._value is None:
+      if self.twin is not None and self.twin._value is not None:
+        self._value = lax.transpose(self.twin._value, self.perm)
+      else:
+        (lhs, rhs), params, reduce = self.product
+        self._value = _accumulate.bind("dot_general", lhs, rhs, params, np.float32, reduce)
+    return self._value
 
 
 def _dtype(x):
@@ -132,7 +160,41 @@ def _eval_eqn(eqn, invals, rules):
     return _white(eqn, invals, rules)
   if name in rules.black and _is_large(eqn, rules):
     return _black(eqn, invals)
+  if (name in _LAYOUT and invals and isinstance(invals[0], _Wide)
+      and not any(isinstance(x, _Wide) for x in invals[1:])):
+    if name == "transpose":
+      swapped = _transposed_product(invals[0], eqn.params["permutation"])
+      if swapped is not None:
+        return swapped
+    out = _bind(eqn, [invals[0].value, *invals[1:]])
+    return _Wide(out, invals[0].dtype)
   return _follow(eqn, invals)
+
+
+def _transposed_product(wide, perm):
+  """``transpose(a @ b, perm)`` as ``b @ a`` when ``perm`` puts ``b``'s free
+  dimensions before ``a``'s (a weight gradient ``(x.T @ g).T``, a product
+  under ``vmap``), else None.
+
+  A float32 transpose of the product would cost a pass over it, where the
+  rounded bf16 one used to be folded into the matmul by XLA; the swapped
+  product needs no transpose at all.
+  """
+  if wide.product is None or wide._value is not None or wide.twin is not None:
+    return None  # read already (or transposed already): transpose its value
+  (lhs, rhs), params, reduce = wide.product
+  (lc, rc), (lb, rb) = params["dimension_numbers"]
+  nb = len(lb)
+  n_lf = np.ndim(lhs) - len(lc) - nb
+  n_rf = np.ndim(rhs) - len(rc) - nb
+  swap = (*range(nb), *range(nb + n_lf, nb + n_lf + n_rf), *range(nb, nb + n_lf))
+  if tuple(perm) != swap:
+    return None
+  params = dict(params, dimension_numbers=((rc, lc), (rb, lb)))
+  swapped = _Wide(None, wide.dtype, ((rhs, lhs), params, reduce))
+  swapped.twin, swapped.perm = wide, tuple(perm)
+  wide.twin, wide.perm = swapped, tuple(int(i) for i in np.argsort(perm))
+  return swapped
 
 
 def _asks_for_precision(precision, compute) -> bool:
@@ -177,8 +239,10 @@ def _white(eqn, invals, rules):
   if (name in _accumulate.BY_BASE and len(vals) == 2
       and _dtypes.is_narrow_float(rules.compute)):
     # The engine's primitive: float32 accumulation here and in derivatives.
-    out = _accumulate.bind(name, *vals, params, np.float32, rules.reduce)
-    return _Wide(out, rules.compute)
+    if name == "dot_general":  # traced when read (`_Wide`)
+      return _Wide(None, rules.compute, (tuple(vals), params, rules.reduce))
+    return _Wide(_accumulate.bind(name, *vals, params, np.float32, rules.reduce),
+                 rules.compute)
   if accumulates:
     acc = _widest([np.dtype(np.float32), *orig])
     params = dict(params, preferred_element_type=acc)
