@@ -97,13 +97,20 @@ class _LinenInterceptor:
     self.prefix = prefix
     self.record = record
     self.stack: list[Optional[Policy]] = []
+    # The clones methods ran on, alive as long as the call: a submodule a
+    # method returns (``model._get_encoder_module()``, as Hugging Face's
+    # encode/decode do) holds its parent weakly, and once the clone was
+    # collected a shared module it refers to (a tied embedding) looked
+    # unbound and was adopted again under the wrong path.
+    self.clones: list[nn.Module] = []
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
-    if (context.method_name == "setup"
-        or isinstance(module.scope, _PolicyScope)
+    if (isinstance(module.scope, _PolicyScope)
         or (self.stack and self.stack[-1] is None)):
       return next_fun(*args, **kwargs)
+    if context.method_name == "setup":
+      return self._setup(next_fun, args, kwargs, module)
     caller = self.stack[-1] if self.stack else None
     if isinstance(module, _LinenWrapper):  # a nested wrapper has its own rules
       self.stack.append(None)
@@ -127,6 +134,22 @@ class _LinenInterceptor:
         out = convert[1](out)
     return keep_carry(given, out)
 
+  def _setup(self, next_fun, args, kwargs, module):
+    """A module's ``setup``, with the parameters it makes (an ``nn.Embed``'s
+    table, a ``cls_token``) created in ``param_dtype`` and read in the
+    compute dtype, as a compact method's are.
+
+    Flax runs ``setup`` on the module itself, before the interceptor sees
+    the method that needed it; the clone a method then runs on shares what
+    ``setup`` assigned.
+    """
+    if module.scope is None or isinstance(module, _LinenWrapper):
+      return next_fun(*args, **kwargs)
+    path = path_str(self.prefix + tuple(module.path[len(self.root):]))
+    policy = self.rules.resolve(type(module), path)
+    with _internals.scope_swapped(module, _PolicyScope(module.scope, policy, path)):
+      return next_fun(*args, **kwargs)
+
   def _run_module(self, next_fun, args, kwargs, context, module, path, policy,
                   caller):
     warn_if_bridged(module, path, policy)
@@ -141,6 +164,7 @@ class _LinenInterceptor:
         # embedding, nn.RNN's cell) stays the model's, where its variables are.
         clone = _internals.shallow_clone(module, parent=_PolicyScope(module.scope, policy, path),
                                          **self.dtypes(module, policy))
+        self.clones.append(clone)
         run = getattr(clone, context.method_name)
         if _lifted(method, context):
           run = functools.partial(nn.module.wrap_method_once(context.orig_method.func), clone)

@@ -208,6 +208,47 @@ def test_linen_output_dtype_and_param_dtype():
   assert _dtypes(variables["batch_stats"]) == {F32}
 
 
+class _SetupParams(nn.Module):
+  """Parameters made in ``setup`` (an ``nn.Embed``'s table, ``self.param``),
+  as published models make position embeddings and class tokens."""
+
+  def setup(self):
+    self.embed = nn.Embed(16, 8)
+    self.cls = self.param("cls", nn.initializers.normal(1.0), (1, 8))
+    self.out = nn.Dense(4)
+
+  def __call__(self, ids):
+    return self.out(self.embed(ids) + self.cls)
+
+
+@pytest.mark.parametrize("policy", ["p=bf16,c=bf16,o=bf16", "p=f32,c=bf16,o=f32"])
+def test_linen_parameters_made_in_setup_follow_the_policy(policy):
+  """Flax runs ``setup`` on the module before any method interceptor sees
+  the call that needed it, so under ``p=bf16`` an ``nn.Embed`` and a
+  ``self.param`` made in ``setup`` stayed float32 (a compact ``nn.Dense``
+  beside them was bf16). Oracle: plain Flax, whose ``param_dtype=bf16``
+  makes them bf16, and the unwrapped model's tree."""
+  pol = jmp_lite.get_policy(policy)
+  ids = jnp.arange(6).reshape(2, 3)
+  wrapped = jmp_lite.flax.wrap(_SetupParams(), pol)
+  variables = wrapped.init(jax.random.key(0), ids)
+  plain = _SetupParams().init(jax.random.key(0), ids)
+  assert jax.tree.structure(variables) == jax.tree.structure(plain)
+  assert _dtypes(variables) == {np.dtype(pol.param_dtype)}
+  assert nn.Embed(16, 8, param_dtype=BF).init(
+      jax.random.key(0), ids)["params"]["embedding"].dtype == BF
+  if pol.param_dtype == F32:  # the same values as the model's own
+    chex.assert_trees_all_equal(variables, plain)
+  # Read in the compute dtype: the same output as the model run in bf16 on
+  # bf16 copies of its parameters.
+  out = wrapped.apply(variables, ids)
+  assert out.dtype == pol.output_dtype
+  as_bf16 = jax.tree.map(lambda a: a.astype(BF), variables)
+  want = _SetupParams().apply(as_bf16, ids)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
+                             rtol=2e-2, atol=2e-2)
+
+
 def test_linen_jitted_step_compiles_once():
   _, wrapped, variables, x = _linen("mlp")
   step = jax.jit(jax.grad(
@@ -548,3 +589,64 @@ def test_nnx_o1_policy_autocasts_the_whole_model():
 def test_wrap_rejects_op_level_autocast_in_rules():
   with pytest.raises(ValueError, match="O1.*whole model"):
     jmp_lite.flax.wrap(nn.Dense(3), "bf16", rules={nn.Dense: "O1"})
+
+
+class _TiedEncoder(nn.Module):
+  embed: nn.Module
+
+  def setup(self):
+    self.proj = nn.Dense(4)
+
+  def __call__(self, ids):
+    return self.proj(self.embed(ids))
+
+
+class _TiedInner(nn.Module):
+  def setup(self):
+    self.shared = nn.Embed(16, 8)
+    self.encoder = _TiedEncoder(embed=self.shared)
+
+  def __call__(self, ids):
+    return self.encoder(ids)
+
+
+class _TiedOuter(nn.Module):
+  """Hugging Face's seq2seq layout: ``encode`` reaches the encoder through
+  a method (``_get_encoder_module``), and the encoder holds the shared
+  embedding as an attribute."""
+
+  def setup(self):
+    self.model = _TiedInner()
+
+  def __call__(self, ids):
+    return self.model(ids)
+
+  def _get_encoder_module(self):
+    return self.model.encoder
+
+
+def _encode(module, ids):
+  return module._get_encoder_module()(ids)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("policy", ["p=f32,c=f32,o=f32", "p=f32,c=bf16,o=f32"])
+def test_linen_method_reaching_a_tied_embedding_through_a_method(policy):
+  """The submodule a method returned outlived the clone that method ran on;
+  it holds its parent weakly, so its tied embedding looked unbound and was
+  adopted again at ``model/encoder/embed``: ``apply(method=encode)`` raised
+  ScopeParamNotFoundError and ``init(method=encode)`` built the embedding at
+  the wrong path (Hugging Face's BART, Pegasus, Marian: encode, decode,
+  generate). Oracle: the plain model's init tree and (float32) output."""
+  ids = jnp.array([[1, 2, 3]])
+  plain = _TiedOuter()
+  variables = plain.init(jax.random.key(0), ids)
+  wrapped = jmp_lite.flax.wrap(plain, policy)
+  want = plain.apply(variables, ids, method=_encode)
+  got = wrapped.apply(variables, ids, method=_encode)
+  if policy.startswith("p=f32,c=f32"):
+    np.testing.assert_array_equal(got, want)
+  else:
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+  init = wrapped.init(jax.random.key(0), ids, method=_encode)
+  assert jax.tree.structure(init) == jax.tree.structure(
+      plain.init(jax.random.key(0), ids, method=_encode))

@@ -226,24 +226,17 @@ def _cpu_dot(lhs, rhs, *, partitioned, out_dtype, reduce_dtype,
   given = lhs
   lhs, rhs, dims = canonicalize(lhs, rhs, dimension_numbers, partitioned)
   if lhs is given and not partitioned:
-    # Already ``[batch, free, contract]`` here, but maybe a transpose that XLA
-    # would fold into the dot (a cotangent transposed back by the model's
-    # own code: ``vmap(lambda v: w @ v + b)``, an Equinox Linear), and XLA:CPU
-    # has no kernel for a bf16 x bf16 -> f32 dot whose lhs contracts its first
-    # dimension ("Unsupported element type for DotThunk"). The copy is free
-    # when the lhs is row-major already.
+    # Canonical, but maybe a transpose XLA would fold into the dot (an
+    # Equinox Linear's cotangent): XLA:CPU has no bf16 x bf16 -> f32 kernel
+    # for an lhs contracting its first dimension. Free if row-major already.
     lhs = _materialize(lhs)
   out = lax.dot_general(lhs, rhs, dims, precision=precision,
                         preferred_element_type=_partial_sum_dtype(
                             out_dtype, reduce_dtype),
                         out_sharding=out_sharding)
-  if (not partitioned
-      and np.dtype(out_dtype).itemsize > np.dtype(lhs.dtype).itemsize):
-    # A wide result that may be read by a transpose (autocast keeps a
-    # product float32 for a float32 consumer): XLA folds ``transpose(dot(a,
-    # b))`` into ``dot(b, a)`` with both operands contracting their first
-    # dimension, which XLA:CPU cannot run in bf16 either. (A narrow result's
-    # rounding stands between them already.)
+  if not partitioned and np.dtype(out_dtype).itemsize > np.dtype(lhs.dtype).itemsize:
+    # A wide result, which a transpose may read: XLA folds ``transpose(dot(a,
+    # b))`` into ``dot(b, a)``, in a layout XLA:CPU cannot run in bf16 either.
     out = lax.optimization_barrier(out)
   return lax.convert_element_type(out, out_dtype)
 

@@ -53,6 +53,7 @@ from jmp_lite._jaxpr.internals.jaxprs import wrap_fun
 from jmp_lite._jaxpr.internals.private import called_from
 from jmp_lite._jaxpr.internals.private import OWN_ATTRIBUTE
 from jmp_lite._jaxpr.internals.private import scope_init_args
+from jmp_lite._jaxpr.internals.private import scope_swapped
 from jmp_lite._jaxpr.internals.private import set_attributes
 from jmp_lite._jaxpr.internals.private import shallow_clone
 from jmp_lite._jaxpr.internals.private import swap_class
@@ -99,6 +100,7 @@ __all__ = (
     "called_from",
     "OWN_ATTRIBUTE",
     "scope_init_args",
+    "scope_swapped",
     "set_attributes",
     "shallow_clone",
     "swap_class",

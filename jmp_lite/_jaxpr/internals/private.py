@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 
@@ -24,6 +25,21 @@ def shallow_clone(module, **overrides):
   Relies on `Module.clone`'s private ``_deep_clone`` argument
   (flax/linen/module.py)."""
   return module.clone(_deep_clone=False, **overrides)
+
+
+@contextlib.contextmanager
+def scope_swapped(module, scope):
+  """``module`` bound to ``scope`` for the duration (a Linen module's
+  ``setup``, so that the parameters it makes go through ``scope``). Relies on
+  `flax.linen.Module` holding its scope as the instance attribute ``scope``,
+  read by ``self.param`` on every call, and set past ``Module.__setattr__``
+  (which refuses writes outside ``setup``)."""
+  old = module.scope
+  object.__setattr__(module, "scope", scope)
+  try:
+    yield module
+  finally:
+    object.__setattr__(module, "scope", old)
 
 
 def called_from(code, skip: int) -> bool:
