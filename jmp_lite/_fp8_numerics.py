@@ -84,6 +84,13 @@ def site_carrier(scales: list) -> jax.Array:
   return jnp.concatenate([r.ravel() for r in rows])
 
 
+def _has_answer(amax: jax.Array) -> jax.Array:
+  """``amax > 0`` and finite, a subnormal amax included: read from the bits,
+  since XLA:CPU compares a subnormal as 0 in some computations and not in
+  others (eager and jitted updates gave different scales for 1e-40)."""
+  return (jax.lax.bitcast_convert_type(amax, jnp.int32) > 0) & jnp.isfinite(amax)
+
+
 def current_scaling(amax: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   """``(factor, scale)`` of Transformer Engine's current scaling for ``amax``.
 
@@ -97,7 +104,7 @@ def current_scaling(amax: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   amax = jnp.asarray(amax, jnp.float32)
   top = jnp.full_like(amax, jnp.finfo(_format(dtype)).max)
   factor = jnp.clip(_exact.divide(top, amax), 1 / _LIMIT, _LIMIT)
-  factor = jnp.where((amax > 0.0) & jnp.isfinite(amax), factor, 1.0)
+  factor = jnp.where(_has_answer(amax), factor, 1.0)
   return factor, _exact.divide(jnp.ones_like(factor), factor)
 
 
@@ -192,7 +199,7 @@ def _next_scales(metas: list) -> list:
   # Kept as it is where the history has no answer: Flax computes 1 / (1 / s)
   # there, which is s for every scale a power-of-two loss-scale change or
   # the formula above can produce.
-  out = jnp.where((amax > 0.0) & jnp.isfinite(amax), new, scale)
+  out = jnp.where(_has_answer(amax), new, scale)
   return _split_like(out, chosen)
 
 

@@ -228,3 +228,19 @@ def test_a_scale_is_never_zero_inf_or_subnormal(amax, margin):
   if amax == 3e38:
     want = np.float32(1) / ((np.float32(448) / a) / np.float32(2.0 ** margin))
     assert scale == want
+
+
+def test_a_subnormal_amax_scales_the_same_eagerly_and_jitted():
+  """After an amax of 1, an amax of 1e-40 kept the old scale eagerly and
+  gave the clamped one under jit (XLA:CPU compared the subnormal as 0 in one
+  computation and not in the other); current scaling's factor was 1 eagerly
+  and 2**126 jitted. TE's recipe takes ``amax > 0`` (true for 1e-40 on a
+  GPU without flush-to-zero) and clamps the unbounded factor: so do both."""
+  meta = fp8.DelayedScaling.create("e4m3", history_length=1, margin=0).update(jnp.float32(1.0))
+  tiny = jnp.float32(1e-40)
+  eager = meta.update(tiny).scale
+  jitted = jax.jit(lambda m, a: m.update(a))(meta, tiny).scale
+  assert float(eager) == float(jitted) == np.finfo(np.float32).tiny  # 2**-126
+  from jmp_lite._fp8_numerics import current_scaling  # pylint: disable=g-import-not-at-top
+  factor = current_scaling(tiny, "e4m3")[0]
+  assert float(factor) == float(jax.jit(lambda a: current_scaling(a, "e4m3")[0])(tiny)) == 2.0 ** 126
