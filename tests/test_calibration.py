@@ -6,6 +6,7 @@ code written here (activations and cotangents whose sizes are set by
 construction), and `jmp_lite.flax.wrap` taking the suggested rules.
 """
 
+import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -438,3 +439,34 @@ def test_a_custom_vjp_body_is_measured_and_its_rule_still_differentiates():
   np.testing.assert_allclose(got.max_cotangent,
                              float(jnp.max(jnp.abs(jax.grad(loss)(w, x)))), rtol=1e-5)
 
+
+
+def test_a_wrapped_model_gives_the_rules_of_the_unwrapped_one():
+  """Calibrated wrapped (with a float32 policy, as the docstring allows),
+  a Linen model's scopes carried wrap's own ``_LinenWrapper/module`` frames,
+  so `flax_rules` named ``module/Dense_0`` and kept nothing in float32.
+  Oracle: the unwrapped model's scopes and rules, and wrap's `policy_map`."""
+  from jmp_lite import _linen  # pylint: disable=g-import-not-at-top
+  from jmp_lite._jaxpr.passes import plan  # pylint: disable=g-import-not-at-top
+  assert plan.WRAPPER_FRAME == _linen._LinenWrapper.__name__ + "/module"
+  assert "module" in {f.name for f in dataclasses.fields(_linen._LinenWrapper)}
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(nn.relu(nn.Dense(8)(x)))
+
+  x = jnp.ones((2, 3)) * 1e6  # overflows float16: every scope is kept
+  params = MLP().init(jax.random.key(0), x)
+  runs = {}
+  for name, model in (("plain", MLP()), ("wrapped", jmp_lite.flax.wrap(MLP(), "p=f32,c=f32,o=f32"))):
+    runs[name] = jmp_lite.calibrate(lambda p, m=model: jnp.sum(m.apply(p, x)) * 1e-6, params,
+                                    policy="p=f32,c=f16,o=f32", underflow_threshold=0.0)
+  plain, wrapped = runs["plain"], runs["wrapped"]
+  assert [s.split("/", 1)[1:] for s in wrapped.scopes] == [
+      s.split("/", 1)[1:] for s in plain.scopes]
+  assert wrapped.flax_rules() == plain.flax_rules() != {}
+  kept = jmp_lite.flax.policy_map(
+      jmp_lite.flax.wrap(MLP(), "p=f32,c=f16,o=f32", rules=wrapped.flax_rules()), x)
+  assert {p for p, pol in kept.items() if p and pol.compute_dtype == jnp.float32} == {
+      "Dense_0", "Dense_1"}

@@ -21,9 +21,15 @@ from jmp_lite._jaxpr import traverse as _traverse
 
 def _scope(eqn, outer: str = "") -> str:
   """The eqn's name-stack path (after ``outer``, its enclosing call's), with
-  the repeats nested wrappers make collapsed."""
-  return _plan.collapse("/".join(
+  the repeats nested wrappers make collapsed, and a wrapped Linen model's
+  paths as an unwrapped one's: under a root, without wrap's ``module`` frame
+  (``_LinenWrapper/Dense_0``, as ``MLP/Dense_0``)."""
+  path = _plan.collapse("/".join(
       p for p in (outer, str(eqn.source_info.name_stack)) if p))
+  frame = _plan.WRAPPER_FRAME
+  if path == frame or path.startswith(frame + "/"):
+    path = frame.split("/")[0] + path[len(frame):]
+  return path
 
 
 def _regions(eqn) -> list:

@@ -270,11 +270,16 @@ def collapse(path: str) -> str:
   return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
 
 
+# The frames `jmp_lite.flax.wrap` adds to a Linen model's name stack: the
+# wrapper's class (`jmp_lite._linen._LinenWrapper`) and its field ``module``.
+WRAPPER_FRAME = "_LinenWrapper/module"
+
+
 def _clean(path: str) -> str:
   """`collapse`, with wrap's own frame and fp8 marks removed: paths as wrap's rules see them."""
   path = collapse("/".join(p for p in path.split("/")
                            if not p.startswith(_fp8_sites.MARK)))
-  prefix = "_LinenWrapper/module"
+  prefix = WRAPPER_FRAME
   return path[len(prefix) + 1:] if path.startswith(prefix + "/") else (
       "" if path == prefix else path)
 
