@@ -47,7 +47,9 @@ class ModuleLossScale(ls_lib.DynamicLossScale):
   scaling, with a dynamic scaler's back-off):
 
   * its own overflow (a non-finite cotangent inside the module while what
-    entered it was finite): divided by ``factor``, the global scale kept;
+    entered it was finite; where its submodules sent non-finite ones back
+    and no module made them, the overflow is the module's own code's,
+    between its submodules): divided by ``factor``, the global scale kept;
   * a finite step: to the largest power of two that puts the largest
     cotangent measured inside the module (its weight gradients, and its
     inputs' cotangents) at most ``1 / margin`` of the compute dtype's
@@ -216,8 +218,16 @@ class ModuleLossScale(ls_lib.DynamicLossScale):
           f"ModuleLossScale.adjust: modules must have shape {want} (one row pair per "
           f"scaled module), got {modules.shape}")
     finite = jnp.asarray(grads_finite, jnp.bool_)
-    entered_bad = modules[:, ms.ENTER, ms.NONFINITE] > 0
-    own = (modules[:, ms.INSIDE, ms.NONFINITE] > 0) & ~entered_bad
+    from_caller = modules[:, ms.ENTER, ms.NONFINITE] > 0
+    sent_back = modules[:, ms.ENTER, ms.ARRIVED] > 0
+    inside = modules[:, ms.INSIDE, ms.NONFINITE] > 0
+    own = inside & ~from_caller & ~sent_back
+    # No module made it by that rule: a module whose caller sent it finite
+    # cotangents but whose submodule sent non-finite ones back made them in
+    # its own code between its submodules (the submodule passed on what it
+    # was sent). Without this, such a module's scale never moved and every
+    # step was skipped while the global scale fell.
+    own = jnp.where(jnp.any(own), own, inside & ~from_caller)
     ran = modules[:, ms.INSIDE, ms.ELEMENTS] > 0
     # An overflow that started inside a scaled module is that module's: its
     # scale backs off, the global one is kept as it was.

@@ -6,6 +6,8 @@ float16, the same float32 gradients against those of every single global
 scale a `jmp_lite.DynamicLossScale` could hold.
 """
 
+import dataclasses
+
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -220,6 +222,56 @@ def test_an_overflow_inside_a_module_backs_off_that_module_alone(standard_promot
     assert float(new.loss_scale.loss_scale) == 2.0 ** 4
     assert float(new.loss_scale.module_scales[0]) == 2.0 ** 10
   assert not bool(info.skipped)
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(32)(nn.gelu(nn.Dense(32)(x)))
+
+
+class _Nested(nn.Module):
+  """A scaled module (the block) whose own code (the gelu) lies between
+  scaled submodules, as a Hugging Face GPT-2 MLP's does."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(x + _Block()(x))
+
+
+def test_an_overflow_in_a_module_s_code_between_its_submodules_is_its_own(
+    standard_promotion):
+  """The overflow happens in the block's gelu, between its two Dense
+  submodules: the inner Dense received it from the block (entering, not
+  its own) and sent it back, which counted as entering the block too, so
+  no module took it; the global scale halved every step and the block's
+  2**24 never moved: every step was skipped. The README's rule says an
+  overflow a module makes is that module's: its scale backs off, the
+  global scale is kept, and training goes on."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (32, 32))
+  y = jnp.zeros((32,), jnp.int32)
+  model = _Nested()
+  wrapped = jmp_lite.flax.wrap(model, F16)
+  params = model.init(jax.random.PRNGKey(1), x)
+  ls = jmp_lite.ModuleLossScale.create(wrapped, x, loss_scale=2.0 ** 15)
+  block = ls.paths.index("_Block_0")
+  assert {"_Block_0/Dense_0", "_Block_0/Dense_1"} <= set(ls.paths)
+  ls = dataclasses.replace(ls, module_scales=ls.module_scales.at[block].set(2.0 ** 24))
+  state = jmp_lite.TrainState.create(apply_fn=wrapped.apply, params=params,
+                                     tx=optax.adam(1e-3), loss_scale=ls)
+  step = jax.jit(lambda s: s.minimize(_loss(wrapped.apply, x, y)))
+  new, info = step(state)
+  assert bool(info.skipped)
+  assert float(new.loss_scale.loss_scale) == 2.0 ** 15  # the global scale is kept
+  assert float(new.loss_scale.module_scales[block]) < 2.0 ** 24
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for _ in range(8):
+    new, info = step(new)
+    if not bool(info.skipped):
+      break
+  assert not bool(info.skipped)
+  assert float(new.loss_scale.loss_scale) == 2.0 ** 15
 
 
 @pytest.mark.slow  # the default tier's time: see README, Results

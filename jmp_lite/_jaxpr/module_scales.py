@@ -34,7 +34,9 @@ what it holds (cotangents converted into it, its inputs' and parameters'
 cotangents before conversion out; a non-finite value counted there only
 where the module or a conversion into it made it), each
 ``[one-hot binade of the largest finite |x| (BINS), #non-finite, #non-zero
-finite, #below the compute dtype's smallest normal, #elements]``. Every
+finite, #below the compute dtype's smallest normal, #elements, #non-finite
+sent back by a chained module or submodule]`` (the last in the entering row
+only). Every
 column adds up over several contributions (a module called twice, a scan
 over a module, micro-batches): counts add, and the top non-empty binade of
 summed one-hots is the binade of the largest value.
@@ -58,7 +60,10 @@ from jmp_lite import _exact
 # i + 1); larger and smaller maxima are clipped into the end bins.
 LOW, BINS = -80, 128
 NONFINITE, NONZERO, SUBNORMAL, ELEMENTS = BINS, BINS + 1, BINS + 2, BINS + 3
-WIDTH = BINS + 4
+# In a module's ENTER row: non-finite cotangents a submodule (or a chained
+# module) sent back to it; NONFINITE there counts only its caller's.
+ARRIVED = BINS + 4
+WIDTH = BINS + 5
 ENTER, INSIDE = 0, 1  # the rows of a module's carrier
 
 
@@ -250,7 +255,7 @@ def _convert_bwd(routes, dtypes, res, g):
           _exact.widen(out).astype(jnp.float32)), dtype=jnp.int32)
       values = values.at[NONFINITE].set(made.astype(jnp.float32))
     else:  # "arrived"
-      values = jnp.zeros((WIDTH,), jnp.float32).at[NONFINITE].set(before[NONFINITE])
+      values = jnp.zeros((WIDTH,), jnp.float32).at[ARRIVED].set(before[NONFINITE])
     stats[index] = stats[index].at[row].add(values)
   return out, jnp.zeros_like(factor), tuple(stats)
 
@@ -273,7 +278,7 @@ def statistics(x: jax.Array, dtype) -> jax.Array:
   nonzero = a > 0
   return jnp.concatenate([onehot, jnp.stack([
       count(~finite), count(nonzero), count(nonzero & (a < tiny)),
-      jnp.float32(a.size)])])
+      jnp.float32(a.size), jnp.float32(0)])])
 
 
 def top_binade(rows: jax.Array) -> jax.Array:
