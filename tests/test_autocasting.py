@@ -670,3 +670,27 @@ def test_weight_gradients_of_autocast_grad_are_not_rounded_to_half():
   np.testing.assert_allclose(got, np.repeat(col[:, None], 4, axis=1), rtol=1e-6, atol=1e-6)
   closed = jax.make_jaxpr(grad)(w, x)
   assert not [e for e in equations(closed.jaxpr) if e.primitive.name == "transpose"]
+
+
+def test_a_product_keeps_its_own_source_line_and_scope():
+  """A product is traced when first read (so that a transpose can take the
+  swapped one instead); it must still carry its own source line and name
+  scope, not its reader's: the audit, telemetry and fp8 sites name it by
+  them. Oracle: the plain function's jaxpr."""
+  def proj(x, w):
+    with jax.named_scope("proj"):
+      return x @ w
+
+  def f(x, w):
+    y = proj(x, w)
+    with jax.named_scope("consumer"):
+      return jnp.tanh(y).sum()
+
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+  want = [str(e.source_info.name_stack) for e in jax.make_jaxpr(f)(x, w).jaxpr.eqns
+          if e.primitive.name == "dot_general"]
+  got = [str(e.source_info.name_stack) for e in equations(
+      jax.make_jaxpr(autocast(f, jnp.bfloat16))(x, w).jaxpr) if "dot_general" in e.primitive.name]
+  assert got == want == ["proj"]
+  (row,) = audit(autocast(f, jnp.bfloat16), x, w).select(category="matmul")
+  assert row.source.endswith(".proj)")

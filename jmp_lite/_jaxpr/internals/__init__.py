@@ -25,6 +25,7 @@ from jmp_lite._jaxpr.internals.jaxprs import bind
 from jmp_lite._jaxpr.internals.jaxprs import BWD_FUN
 from jmp_lite._jaxpr.internals.jaxprs import closed
 from jmp_lite._jaxpr.internals.jaxprs import constvars_to_invars
+from jmp_lite._jaxpr.internals.jaxprs import context_here
 from jmp_lite._jaxpr.internals.jaxprs import convert_weak
 from jmp_lite._jaxpr.internals.jaxprs import core
 from jmp_lite._jaxpr.internals.jaxprs import DropVar
@@ -72,6 +73,7 @@ __all__ = (
     "BWD_FUN",
     "closed",
     "constvars_to_invars",
+    "context_here",
     "convert_weak",
     "core",
     "DropVar",

@@ -81,6 +81,23 @@ def eqn_context(eqn):
     yield
 
 
+def context_here(eqn):
+  """A function that re-enters, later, the context ``eqn`` is evaluated in
+  now (inside `eqn_context`): its source line, the name stack as it stands
+  and its compute context. For a value traced lazily, when first read,
+  under whatever context its reader runs in. Relies on what `eqn_context`
+  relies on."""
+  info = jex.source_info_util
+  name_stack = info.current_name_stack()
+
+  @contextlib.contextmanager
+  def again():
+    with info.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+        eqn.ctx.manager:
+      yield
+  return again
+
+
 def eval_jaxpr(jaxpr, consts, args, eval_eqn) -> list[Any]:
   """Evaluates ``jaxpr`` on ``args``, computing each equation with ``eval_eqn``.
 

@@ -67,11 +67,13 @@ class _Wide:
   @property
   def value(self):
     if self._value is None:
-      if self.twin is not None and self.twin._value is not None:
-        self._value = lax.transpose(self.twin._value, self.perm)
-      else:
-        (lhs, rhs), params, reduce = self.product
-        self._value = _accumulate.bind("dot_general", lhs, rhs, params, np.float32, reduce)
+      (lhs, rhs), params, reduce, context = self.product
+      with context():  # the matmul's own source line and name stack
+        if self.twin is not None and self.twin._value is not None:
+          self._value = lax.transpose(self.twin._value, self.perm)
+        else:
+          self._value = _accumulate.bind("dot_general", lhs, rhs, params, np.float32,
+                                         reduce)
     return self._value
 
 
@@ -182,7 +184,7 @@ def _transposed_product(wide, perm):
   """
   if wide.product is None or wide._value is not None or wide.twin is not None:
     return None  # read already (or transposed already): transpose its value
-  (lhs, rhs), params, reduce = wide.product
+  (lhs, rhs), params, reduce, context = wide.product
   (lc, rc), (lb, rb) = params["dimension_numbers"]
   nb = len(lb)
   n_lf = np.ndim(lhs) - len(lc) - nb
@@ -191,7 +193,7 @@ def _transposed_product(wide, perm):
   if tuple(perm) != swap:
     return None
   params = dict(params, dimension_numbers=((rc, lc), (rb, lb)))
-  swapped = _Wide(None, wide.dtype, ((rhs, lhs), params, reduce))
+  swapped = _Wide(None, wide.dtype, ((rhs, lhs), params, reduce, context))
   swapped.twin, swapped.perm = wide, tuple(perm)
   wide.twin, wide.perm = swapped, tuple(int(i) for i in np.argsort(perm))
   return swapped
@@ -239,8 +241,9 @@ def _white(eqn, invals, rules):
   if (name in _accumulate.BY_BASE and len(vals) == 2
       and _dtypes.is_narrow_float(rules.compute)):
     # The engine's primitive: float32 accumulation here and in derivatives.
-    if name == "dot_general":  # traced when read (`_Wide`)
-      return _Wide(None, rules.compute, (tuple(vals), params, rules.reduce))
+    if name == "dot_general":  # traced when read (`_Wide`), in this context
+      return _Wide(None, rules.compute, (tuple(vals), params, rules.reduce,
+                                         _internals.context_here(eqn)))
     return _Wide(_accumulate.bind(name, *vals, params, np.float32, rules.reduce),
                  rules.compute)
   if accumulates:
