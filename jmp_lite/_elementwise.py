@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_lite._jaxpr import internals as _internals
+
 
 def cast(x: jax.Array, dtype) -> jax.Array:
   """``x.astype(dtype)``, strongly typed; ``x`` itself when it already is."""
@@ -49,11 +51,8 @@ def where(pred: jax.Array, a: jax.Array, b: Any) -> jax.Array:
 def broadcast_like(x: jax.Array, a: jax.Array) -> jax.Array:
   """Scalar ``x`` broadcast to ``a``'s shape, sharded as ``a`` is on a mesh
   with explicit axes (where `lax.select` refuses operands sharded apart)."""
-  sharding = getattr(jax.typeof(a), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if not spec or all(s is None for s in spec):
-    return lax.broadcast_in_dim(x, np.shape(a), ())
-  return lax.broadcast_in_dim(x, np.shape(a), (), out_sharding=sharding)
+  return lax.broadcast_in_dim(x, np.shape(a), (),
+                              out_sharding=_internals.explicit_sharding(jax.typeof(a)))
 
 
 def add_rounded(p: Any, u: Any) -> jax.Array:

@@ -191,9 +191,7 @@ def _materialize(x):
   the operand and buys the bf16 kernel. A sharded operand is left to XLA's
   partitioner (flattening it would need an output sharding).
   """
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  spec = getattr(sharding, "spec", None)
-  if spec and any(s is not None for s in spec):
+  if _internals.explicit_sharding(jax.typeof(x)) is not None:
     return x
   return lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
 
