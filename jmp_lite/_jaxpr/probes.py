@@ -167,6 +167,8 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
   its magnitude before the cast. (A cast to a wider ``view`` flushes
   nothing.)
   """
+  # Statistics are never differentiated (and a variadic reduce has no JVP).
+  x = jax.lax.stop_gradient(x)
   flushed = None
   if view is not None:
     wide = jnp.abs(_exact.widen(x))
@@ -185,10 +187,19 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
   if flushed is not None:
     nonzero = nonzero | flushed
     magnitude = jnp.where(flushed, wide.astype(jnp.float32), a)
-  count = lambda m: jnp.sum(m, dtype=jnp.int32).astype(jnp.float32)
-  out = [jnp.max(a, initial=0.0), count(~finite), count(nonzero),
-         count(~finite | (a >= th.upper)), jnp.float32(a.size)]
-  out += [count(nonzero & (magnitude < t)) for t in th.tinies]
+  # One reduction over x for every statistic (a variadic reduce): XLA:CPU
+  # compiles each reduction into a kernel of its own, and with a separate
+  # sum per count a Hugging Face BERT's telemetry step took 130 s to compile
+  # instead of 2 s; one pass also reads x once.
+  flags = [~finite, nonzero, ~finite | (a >= th.upper)]
+  flags += [nonzero & (magnitude < t) for t in th.tinies]
+  operands = (a, *(m.astype(jnp.int32) for m in flags))
+  init = (jnp.float32(0), *(jnp.int32(0) for _ in flags))
+  combine = lambda x, y: (jnp.maximum(x[0], y[0]),
+                          *(u + v for u, v in zip(x[1:], y[1:])))
+  reduced = jax.lax.reduce(operands, init, combine, tuple(range(a.ndim)))
+  counts = [c.astype(jnp.float32) for c in reduced[1:]]
+  out = [reduced[0], *counts[:3], jnp.float32(a.size), *counts[3:]]
   return jnp.stack(out)
 
 
