@@ -143,7 +143,11 @@ def _policies(rules: Rules, module) -> dict[tuple, Policy]:
 
 def _nnx_run_as_written(rules: Rules, graphdef, state, *args, **kwargs):
   """Runs a throw-away copy of the model with the policies applied."""
-  copy = nnx.merge(graphdef, state)
+  # A copy of its own: merged without copying, the model's Variables are the
+  # stored ones, and casting them (below) wrote the compute dtype into the
+  # stored parameters (a float32 policy then also mutated them from inside
+  # a plain JAX transformation, which NNX refuses).
+  copy = nnx.merge(graphdef, state, copy=True)
   policies = _policies(rules, copy)
   stack = []
   # Linen models held through `flax.nnx.bridge.ToNNX` run under a Linen

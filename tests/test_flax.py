@@ -13,6 +13,7 @@ from flax import nnx
 import jmp_lite
 import jmp_lite.flax
 from jmp_lite.auditing import audit
+from jmp_lite.testing import assert_trees_bitwise_equal
 from jmp_lite.testing import count_compilations
 
 BF16 = "p=f32,c=bf16,o=f32"
@@ -517,6 +518,26 @@ def test_nnx_param_dtype_is_applied_to_a_copy():
   assert wrapped.module.norm.scale[...].dtype == F32
   assert model.dense1.kernel[...].dtype == F32  # the caller's, untouched
   assert wrapped(x).dtype == BF
+
+
+@pytest.mark.parametrize("policy", ["f32", "p=bf16,c=f32,o=f32", "p=f32,c=bf16,o=f32"])
+def test_nnx_call_leaves_the_stored_params_as_they_were(policy):
+  """A policy with no 16-bit compute dtype ran a "copy" that shared the
+  model's Variables: casting them wrote the compute dtype into the stored
+  parameters (``p=bf16,c=f32``: the kernel became float32 after one call)
+  and, from inside a plain JAX transformation, raised NNX's
+  TraceContextError. Oracle: the stored parameters before the call, and the
+  unwrapped model under the same transformation."""
+  model, wrapped, x = _nnx("mlp", policy)
+  before = jax.tree.map(np.array, nnx.state(wrapped.module, nnx.Param))
+  wrapped(x)
+  nnx.jit(lambda m, x: m(x))(wrapped, x)
+  assert_trees_bitwise_equal(nnx.state(wrapped.module, nnx.Param), before)
+  closed = jax.jit(lambda x: wrapped(x))(x)
+  grads = jax.grad(lambda x: wrapped(x).sum())(x)
+  assert closed.dtype == F32 and grads.dtype == F32
+  if policy == "f32":
+    np.testing.assert_array_equal(closed, jax.jit(lambda x: model(x))(x))
 
 
 def test_nnx_rules_and_policy_map():
