@@ -61,6 +61,7 @@ from jmp_lite._guard_state import get_loss_scale
 from jmp_lite._guard_state import _contains_loss_scale_state
 from jmp_lite._guard_state import _no_nonfinite
 from jmp_lite import _replicas
+from jmp_lite import _struct
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite._fp8_state import Fp8State
@@ -73,6 +74,11 @@ from jmp_lite.rounding import kahan_summation
 from jmp_lite.rounding import stochastic_round
 from jmp_lite.rounding import stored_params
 from jmp_lite.rounding import with_state_dtype
+
+# Optimizer states are what checkpoints hold: jmp_lite's (the guard's, the
+# loss scales') serialise with flax.serialization (a dependency) whether or
+# not the caller imported jmp_lite.flax; this imports Flax (about 80 ms).
+_struct.register_serialization()
 
 __all__ = (
     "apply_updates",
@@ -279,8 +285,9 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
           "with_loss_scale inside optax.MultiSteps: MultiSteps keeps a NaN "
           "from one overflowing micro-batch in its accumulator for good. Use "
           "with_loss_scale(..., accumulate_steps=k) instead.")
-    with stored_params(params):
-      inner_state = _unscale.strongly_typed(inner.init(_unscale.for_inner(params)))
+    copies = _unscale.for_inner(params)
+    with stored_params(params, copies):
+      inner_state = _unscale.strongly_typed(inner.init(copies))
     if _contains_loss_scale_state(inner_state):
       raise ValueError(
           "with_loss_scale: inner already contains a with_loss_scale (e.g. "
@@ -316,10 +323,9 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
 
     def apply(grads, old_state, params):
       unscaled = _unscale.grads_for_inner(grads, info)
-      with stored_params(params):
-        updates, inner_state = inner.update(
-            unscaled, old_state,
-            None if params is None else _unscale.for_inner(params), **extra_args)
+      copies = None if params is None else _unscale.for_inner(params)
+      with stored_params(params, copies):
+        updates, inner_state = inner.update(unscaled, old_state, copies, **extra_args)
       updates = _unscale.fill_updates(updates, like)
       return updates, _unscale.cast_like(inner_state, old_state)
 

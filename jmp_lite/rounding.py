@@ -68,15 +68,43 @@ def _is_low(p: Any) -> bool:
 # decay are computed in float32. The rounding transforms below must still see
 # the parameters as stored: they round onto the stored dtype. The wrapper puts
 # the stored parameters here while it traces ``inner.init``/``inner.update``
-# (a trace-time Python value, like JAX's own configuration contexts).
-_STORED_PARAMS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+# (a trace-time Python value, like JAX's own configuration contexts), with
+# each copy known by its identity: a transform given part of them
+# (``optax.masked``, ``optax.multi_transform``; the copies without the integer
+# leaves no optimizer updates) finds each one's stored parameter.
+class _Stored(NamedTuple):
+  tree: Any  # the stored parameters
+  by_copy: dict  # id(a copy) -> the stored leaf it copies
+  alive: list  # the copies, kept alive while their ids are keys
+
+
+_STORED_PARAMS: contextvars.ContextVar[Optional[_Stored]] = contextvars.ContextVar(
     "jmp_lite_stored_params", default=None)
 
 
 @contextlib.contextmanager
-def stored_params(params: Any) -> Iterator[None]:
-  """While active, the rounding transforms round onto ``params``' dtypes."""
-  token = _STORED_PARAMS.set(params)
+def stored_params(params: Any, copies: Any = None) -> Iterator[None]:
+  """While active, the rounding transforms round onto ``params``' dtypes.
+
+  Args:
+    params: the parameters as stored.
+    copies: what the optimizer inside is given instead (float32 copies of
+      ``params``, None for leaves it cannot update), leaf for leaf; a
+      rounding transform given any of them rounds onto the leaf of
+      ``params`` it copies. Nested, a copy of a copy is known as the
+      outermost stored leaf.
+  """
+  outer = _STORED_PARAMS.get()
+  by_copy = dict(outer.by_copy) if outer is not None else {}
+  alive = list(outer.alive) if outer is not None else []
+  if copies is not None:
+    def note(copy, stored):
+      if copy is not None:
+        by_copy[id(copy)] = by_copy.get(id(stored), stored)
+        alive.append(copy)
+    jax.tree.map(note, copies, params, is_leaf=lambda x: x is None)
+  tree = outer.tree if outer is not None and copies is not None else params
+  token = _STORED_PARAMS.set(_Stored(tree, by_copy, alive))
   try:
     yield
   finally:
@@ -84,21 +112,32 @@ def stored_params(params: Any) -> Iterator[None]:
 
 
 def _params_as_stored(params: Any, name: str) -> Any:
-  """``params``, or the stored parameters they are float32 copies of."""
-  stored = _STORED_PARAMS.get()
-  if stored is not None and params is not None:
-    same = jax.tree.structure(stored) == jax.tree.structure(params) and all(
-        np.shape(a) == np.shape(b)
-        for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(params)))
-    if same:
-      return stored
+  """``params``, with each copy (`stored_params`) replaced by what it copies."""
   if params is None:
     raise ValueError(f"{name} needs params: call update(updates, state, params).")
-  return params
+  stored = _STORED_PARAMS.get()
+  if stored is None:
+    return params
+  leaves, treedef = jax.tree.flatten(params)
+  if leaves and all(id(x) in stored.by_copy for x in leaves):
+    return treedef.unflatten([stored.by_copy[id(x)] for x in leaves])
+  # Copies a transform rebuilt (new arrays of the same values): the stored
+  # tree, where it is the same tree of the same shapes.
+  same = jax.tree.structure(stored.tree) == treedef and all(
+      np.shape(a) == np.shape(b) for a, b in zip(jax.tree.leaves(stored.tree), leaves))
+  if same:
+    return stored.tree
+  return treedef.unflatten([stored.by_copy.get(id(x), x) for x in leaves])
 
 
 class StochasticRoundState(NamedTuple):
-  """State of `stochastic_round`: the PRNG key of the next step."""
+  """State of `stochastic_round`: the PRNG key of the next step.
+
+  A typed key (``jax.random.key``) is held as its data (``uint32``,
+  `jax.random.key_data`), so that every checkpointer saves it:
+  ``flax.serialization.to_bytes`` refuses typed keys. A raw
+  ``jax.random.PRNGKey`` is held as it is.
+  """
 
   key: jax.Array
 
@@ -116,9 +155,14 @@ def _stochastic_round(x: jax.Array, dtype, key: jax.Array) -> jax.Array:
   # one step of the narrow format's bits away from nearest (a value of
   # dtype: the bitcast materialises it).
   other32 = _step_toward(near32, x, dtype)
-  gap = other32 - near32
+  # In the lowest binades of bfloat16's range the gap and the distance are
+  # float32 subnormals, which XLA flushes to zero (the rounding was then to
+  # nearest): they are measured 2**64 times larger there, exactly.
+  big = jnp.where(jnp.abs(near32) < 2.0 ** -64, jnp.float32(2.0 ** 64), jnp.float32(1))
+  gap = other32 * big - near32 * big
   # Probability of `other`: distance from nearest over the gap (in [0, 1/2]).
-  p_other = jnp.where(gap != 0, (x - near32) / jnp.where(gap != 0, gap, 1.0), 0.0)
+  p_other = jnp.where(gap != 0, (x * big - near32 * big) / jnp.where(gap != 0, gap, 1.0),
+                      0.0)
   u = jax.random.uniform(key, x.shape, jnp.float32)
   out = jnp.where(u < p_other, other32, near32)
   out = jnp.where(jnp.isfinite(x) & jnp.isfinite(other32), out, near32)
@@ -185,13 +229,18 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
         f"raw uint32[2] jax.random.PRNGKey(0)), got {key!r}"
         f"{'' if not hasattr(key, 'dtype') else f' ({key.dtype}{list(np.shape(key))})'}.")
 
+  impl = jax.random.key_impl(key) if typed else None
+  wrap = ((lambda data: jax.random.wrap_key_data(data, impl=impl)) if typed
+          else (lambda data: data))
+  unwrap = jax.random.key_data if typed else (lambda k: k)
+
   def init(params):
     del params
-    return StochasticRoundState(key=key)
+    return StochasticRoundState(key=jnp.asarray(unwrap(key)))
 
   def update(updates, state, params=None):
     params = _params_as_stored(params, "stochastic_round")
-    step_key, next_key = jax.random.split(state.key)
+    step_key, next_key = jax.random.split(wrap(state.key))
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(step_key, max(len(leaves), 1))
     keys = jax.tree.unflatten(treedef, list(keys[:len(leaves)]))
@@ -203,7 +252,7 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
       new = _stochastic_round(p32 + u.astype(jnp.float32), p.dtype, k)
       return new.astype(jnp.float32) - p32
 
-    return jax.tree.map(one, updates, params, keys), StochasticRoundState(next_key)
+    return jax.tree.map(one, updates, params, keys), StochasticRoundState(unwrap(next_key))
 
   return optax.GradientTransformation(init, update)
 
@@ -242,7 +291,12 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
     ...     params = optax.apply_updates(params, updates)
     >>> float(params["w"][0])
     1.1015625
+
+  Raises:
+    ValueError: if ``dtype`` is not a floating dtype.
   """
+  if dtype is not None:
+    dtype = _floating_dtype(dtype, "kahan_summation")
 
   def init(params):
     params = _params_as_stored(params, "kahan_summation")
@@ -267,7 +321,10 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
       # the compensation is then always 0.
       new32 = _exact.round_to(p32 + y, p.dtype)
       applied = new32 - p32
-      return applied, (y - applied).astype(c.dtype)
+      # Saturated: a compensation dtype of less range than the parameter's
+      # (float16 for bfloat16) would otherwise hold an inf, and every later
+      # step would be skipped.
+      return applied, _saturating_cast(y - applied, c.dtype)
 
     # Split by the updates' structure, not by `isinstance(x, tuple)`: the
     # parameters' own tuples (``(w, b)``, an Equinox MLP's layers) are tuples
@@ -279,6 +336,19 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
             KahanState(treedef.unflatten([c for _, c in pairs])))
 
   return optax.GradientTransformation(init, update)
+
+
+def _floating_dtype(dtype: DTypeLike, name: str) -> np.dtype:
+  """``dtype`` as a NumPy dtype, or a ValueError naming it if it is not floating."""
+  if dtype is None:
+    raise ValueError(f"{name}: dtype is None; give a floating dtype such as jnp.bfloat16.")
+  try:
+    parsed = np.dtype(jnp.dtype(dtype))
+  except TypeError as e:
+    raise ValueError(f"{name}: {dtype!r} is not a dtype.") from e
+  if not jnp.issubdtype(parsed, jnp.floating):
+    raise ValueError(f"{name}: dtype must be floating, got {parsed.name}")
+  return parsed
 
 
 def _saturating_cast(x: jax.Array, dtype) -> jax.Array:
@@ -295,6 +365,13 @@ def _saturating_cast(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype)
   clipped = jnp.clip(x, -limit, limit)
   return jnp.where(jnp.isfinite(x), clipped, x).astype(dtype)
+
+
+def _restore(x: jax.Array, dtype) -> jax.Array:
+  """A state leaf back in its stored dtype (a PRNG key as it is)."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return x
+  return _saturating_cast(x, dtype)
 
 
 def with_state_dtype(inner: optax.GradientTransformation,
@@ -326,12 +403,7 @@ def with_state_dtype(inner: optax.GradientTransformation,
     >>> sorted({x.dtype.name for x in jax.tree.leaves(state)})
     ['bfloat16', 'int32']
   """
-  try:
-    dtype = np.dtype(jnp.dtype(dtype))
-  except TypeError as e:
-    raise ValueError(f"with_state_dtype: {dtype!r} is not a dtype.") from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"with_state_dtype: dtype must be floating, got {dtype.name}")
+  dtype = _floating_dtype(dtype, "with_state_dtype")
   inner = optax.with_extra_args_support(inner)
 
   def store(tree):
@@ -349,10 +421,13 @@ def with_state_dtype(inner: optax.GradientTransformation,
 
   def update(updates, state, params=None, **extra_args):
     kept = jax.tree.map(lambda x: x.dtype, state)
-    params = None if params is None else widen(params)
-    new_updates, new_state = inner.update(widen(updates), widen(state), params,
-                                          **extra_args)
-    new_state = jax.tree.map(_saturating_cast, new_state, kept)
+    wide = None if params is None else widen(params)
+    # A rounding transform inside rounds onto the parameters as given, not
+    # onto their widened copies (which it would pass through unrounded).
+    with (contextlib.nullcontext() if params is None else stored_params(params, wide)):
+      new_updates, new_state = inner.update(widen(updates), widen(state), wide,
+                                            **extra_args)
+    new_state = jax.tree.map(_restore, new_state, kept)
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init, update)

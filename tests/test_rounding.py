@@ -57,7 +57,7 @@ def test_stochastic_round_is_unbiased_and_within_one_ulp(jit, dtype):
   # The emitted update lands exactly: p + u == new in float32.
   np.testing.assert_array_equal(
       np.asarray(params["w"], np.float32) + np.asarray(updates["w"]), new32)
-  assert not np.array_equal(np.asarray(jax.random.key_data(state.key)),
+  assert not np.array_equal(np.asarray(state.key),
                             np.asarray(jax.random.key_data(jax.random.key(1))))
 
 
@@ -178,3 +178,153 @@ def test_parameters_held_in_tuples_get_their_own_updates(make):
   nested = ((w, (b,)), [w])
   updates, _ = tx.update(((g[0], (g[1],)), [g[0]]), tx.init(nested), nested)
   assert jax.tree.structure(updates) == jax.tree.structure(nested)
+
+
+def _run(tx, params, grad, steps, jit):
+  """``steps`` updates of ``tx`` with the constant gradient ``grad`` per leaf."""
+  state = tx.init(params)
+  update = _maybe_jit(tx.update, jit)
+  for _ in range(steps):
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, grad, jnp.float32)
+                         if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+    updates, state = update(grads, state, params)
+    params = _apply(params, updates)
+  return params, state
+
+
+ROUNDERS = pytest.mark.parametrize(
+    "rounder", [jo.kahan_summation, lambda: jo.stochastic_round(jax.random.key(0))],
+    ids=["kahan", "sr"])
+
+
+def _tracks_float64(w, steps, lr_times_grad):
+  """Oracle: the float64 sum of the updates, within 10% of the total move
+  (stochastic rounding's mean over 256 elements is within ~3%); round to
+  nearest stalls at 1.0, as each 1e-3 is below half a bfloat16 ulp."""
+  exact = 1.0 + steps * lr_times_grad
+  got = float(np.mean(np.asarray(w, np.float64)))
+  assert abs(got - exact) < 0.1 * steps * lr_times_grad, (got, exact)
+
+
+@JIT
+@ROUNDERS
+def test_an_integer_leaf_in_the_params_leaves_rounding_on(rounder, jit):
+  """``with_loss_scale`` gives the optimizer inside None for integer leaves,
+  so its tree was no longer the stored one and the rounding transforms
+  silently took the float32 copies for the parameters: bfloat16 ``w`` stayed
+  exactly 1.0."""
+  params = {"w": jnp.ones(256, jnp.bfloat16), "n": jnp.zeros((), jnp.int32),
+            "on": jnp.array(True)}
+  tx = jo.with_loss_scale(optax.chain(optax.sgd(1.0), rounder()), jmp_lite.NoOpLossScale())
+  out, _ = _run(tx, params, -1e-3, 100, jit)
+  _tracks_float64(out["w"], 100, 1e-3)
+  assert out["w"].dtype == jnp.bfloat16 and out["n"].dtype == jnp.int32
+
+
+@ROUNDERS
+@pytest.mark.parametrize("guard", [False, True])
+@pytest.mark.parametrize("split", ["masked", "multi_transform"])
+def test_rounding_inside_part_of_the_tree_rounds_that_part(rounder, guard, split):
+  """Under ``with_loss_scale`` a rounding transform given part of the
+  parameters (``optax.masked``, ``optax.multi_transform``) did nothing: the
+  part was not the whole stored tree."""
+  params = {"w": jnp.ones(64, jnp.bfloat16), "b": jnp.ones(3, jnp.bfloat16)}
+  rounded = optax.chain(optax.sgd(1.0), rounder())
+  if split == "masked":
+    tx = optax.chain(optax.masked(rounded, {"w": True, "b": False}),
+                     optax.masked(optax.sgd(1.0), {"w": False, "b": True}))
+  else:
+    tx = optax.multi_transform({"a": rounded, "b": optax.sgd(1.0)}, {"w": "a", "b": "b"})
+  if guard:
+    tx = jo.with_loss_scale(tx, jmp_lite.NoOpLossScale())
+  out, _ = _run(tx, params, -1e-3, 100, jit=True)
+  _tracks_float64(out["w"], 100, 1e-3)
+  np.testing.assert_array_equal(np.asarray(out["b"], np.float32), 1.0)  # plain sgd stalls
+
+
+@ROUNDERS
+@pytest.mark.parametrize("guard", [False, True])
+def test_rounding_inside_with_state_dtype_rounds_the_stored_params(rounder, guard):
+  """``with_state_dtype`` widens the parameters for the optimizer inside: a
+  rounding transform there saw float32 parameters and passed the updates
+  through, and bfloat16 ``w`` stayed 1.0."""
+  params = {"w": jnp.ones(256, jnp.bfloat16)}
+  tx = jo.with_state_dtype(optax.chain(optax.sgd(1.0), rounder()), jnp.bfloat16)
+  if guard:
+    tx = jo.with_loss_scale(tx, jmp_lite.NoOpLossScale())
+  out, state = _run(tx, params, -1e-3, 100, jit=True)
+  _tracks_float64(out["w"], 100, 1e-3)
+
+
+def test_with_state_dtype_keeps_a_prng_key_eagerly():
+  """Storing the state back cast every leaf, a PRNG key too: eagerly,
+  ``NotImplementedError: Cannot call abstract method astype``."""
+  params = {"w": jnp.ones(8, jnp.bfloat16)}
+  tx = jo.with_state_dtype(optax.chain(optax.sgd(1e-3, momentum=0.9),
+                                       jo.stochastic_round(jax.random.key(0))),
+                           jnp.bfloat16)
+  state = tx.init(params)
+  eager = tx.update({"w": jnp.ones(8)}, state, params)
+  jitted = jax.jit(tx.update)({"w": jnp.ones(8)}, state, params)
+  data = lambda tree: jax.tree.map(
+      lambda x: jax.random.key_data(x)
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
+  assert_trees_bitwise_equal(data(eager), data(jitted))
+
+
+@pytest.mark.parametrize("dtype", ["bogus", jnp.int32, jnp.bool_])
+def test_kahan_refuses_a_compensation_dtype_that_is_not_floating(dtype):
+  """``kahan_summation(jnp.bool_)`` added 1 to the parameter on every step;
+  ``int32`` stalled it."""
+  with pytest.raises(ValueError, match="kahan_summation"):
+    jo.kahan_summation(dtype)
+
+
+def test_with_state_dtype_refuses_none():
+  with pytest.raises(ValueError, match="None"):
+    jo.with_state_dtype(optax.sgd(0.1), None)
+
+
+def test_a_narrower_compensation_saturates_instead_of_holding_inf():
+  """A float16 compensation of a bfloat16 parameter near 1e8 (whose ulp is
+  5e5): the lost part saturates at 65504, it does not become inf."""
+  params = {"w": jnp.full(4, 1e8, jnp.bfloat16)}
+  tx = jo.kahan_summation(jnp.float16)
+  updates, state = tx.update({"w": jnp.full(4, 1e5)}, tx.init(params), params)
+  assert np.all(np.isfinite(np.asarray(state.compensation["w"], np.float32)))
+  assert np.all(np.isfinite(np.asarray(updates["w"])))
+
+
+@pytest.mark.parametrize("x", [2.0 ** -126 * (1 + 2 ** -8), 2.0 ** -125 * (1 + 2 ** -8),
+                               2.0 ** -100 * (1 + 2 ** -8)])
+def test_stochastic_round_is_unbiased_in_the_lowest_binades(x):
+  """Halfway between two bfloat16 neighbours near float32's smallest normal:
+  the gap (2**-133) is a float32 subnormal, which XLA flushes, and the
+  rounding was always to nearest (P(up) = 0 instead of 1/2). Oracle: the
+  definition (P(up) = distance to the lower neighbour / gap), binomial
+  bounds for 4000 draws."""
+  from jmp_lite.rounding import _stochastic_round
+  x = np.float32(x)
+  keys = jax.random.split(jax.random.key(0), 4000)
+  out = np.asarray(jax.jit(jax.vmap(
+      lambda k: _stochastic_round(jnp.full((1,), x), jnp.bfloat16, k)))(keys), np.float32)[:, 0]
+  assert set(np.unique(out)) <= {np.float32(jnp.bfloat16(x)), np.float32(
+      jnp.nextafter(jnp.bfloat16(x), jnp.bfloat16(1)))}
+  assert abs(np.mean(out > x) - 0.5) < 4 * np.sqrt(0.25 / 4000)
+
+
+def test_a_stochastic_rounding_state_round_trips_through_flax_serialization():
+  """The README's recipe (``stochastic_round(jax.random.key(0))``) held a
+  typed key, which ``flax.serialization.to_bytes`` refuses; the README said
+  the optimizer state round-trips through it. Oracle: the run that was not
+  interrupted."""
+  import flax.serialization
+  params = {"w": jnp.ones(64, jnp.bfloat16)}
+  tx = jo.with_loss_scale(optax.chain(optax.sgd(1.0), jo.stochastic_round(jax.random.key(0))),
+                          jmp_lite.NoOpLossScale())
+  _, state = _run(tx, params, -1e-3, 3, jit=True)
+  restored = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(state))
+  assert_trees_bitwise_equal(restored, state)
+  grads = {"w": jnp.full(64, -1e-3)}
+  assert_trees_bitwise_equal(jax.jit(tx.update)(grads, restored, params),
+                             jax.jit(tx.update)(grads, state, params))
