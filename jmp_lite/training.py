@@ -229,11 +229,17 @@ def _check_param_dtypes(params: Any, policy: Optional[Policy]) -> None:
 
 
 class StepInfo(NamedTuple):
-  """What `TrainState.minimize` reports about the step it took."""
+  """What `TrainState.minimize` reports about the step it took.
+
+  With ``accumulate_steps=k``, a call that only accumulates its micro-batch
+  took no step: its ``skipped`` is False (summed over calls, ``skipped``
+  counts what ``skipped_steps`` counts), and ``grad_norm``, ``nonfinite``
+  and ``stalled`` are those of the last completed step.
+  """
 
   loss: jax.Array  # unscaled
   aux: Any
-  skipped: jax.Array  # bool
+  skipped: jax.Array  # bool: this call completed a step, and skipped it
   loss_scale: jax.Array  # the scale this step's loss was scaled with
   grad_norm: jax.Array  # global norm of the unscaled gradients
   nonfinite: jo.NonFinite  # why the step was skipped, if it was
@@ -417,7 +423,9 @@ class TrainState(flax.struct.PyTreeNode):
       measured.update({_guard_state.MEASURE_PREFIX + n: offered[n] for n in reads})
     new = self._apply(grads, measured)
     info = new.loss_scale_state
-    return new, StepInfo(loss=loss, aux=aux, skipped=info.skipped,
+    # A call that only accumulated (mini_step counts on) skipped nothing.
+    skipped = info.skipped & (info.mini_step == 0)
+    return new, StepInfo(loss=loss, aux=aux, skipped=skipped,
                          loss_scale=used_scale, grad_norm=info.grad_norm,
                          nonfinite=info.nonfinite, precision=stats,
                          stalled=info.stalled)

@@ -160,6 +160,25 @@ def test_train_state_minimize_skips_and_counts(jit):
     assert len(compiled) == 1 and not compiled_again
 
 
+def test_a_call_that_only_accumulates_skipped_no_step():
+  """With ``accumulate_steps=2``, a micro-batch that only accumulates
+  reported the last completed step's ``skipped``: counting ``info.skipped``
+  over calls gave 2 where ``skipped_steps`` (the oracle) says 1."""
+  x = np.ones((4, 3), np.float32)
+  bad = x.copy()
+  bad[0, 0] = np.inf
+  state = jmp_lite.TrainState.create(
+      apply_fn=None, params={"w": jnp.ones((3, 1))}, tx=optax.sgd(0.1),
+      loss_scale=jmp_lite.DynamicLossScale(2.0 ** 15), accumulate_steps=2)
+  step = jax.jit(lambda s, x: s.minimize(lambda p, x: jnp.mean(x @ p["w"]), x))
+  reported = []
+  for batch in (x, bad, x, x, bad, x):
+    state, info = step(state, batch)
+    reported.append(bool(info.skipped))
+  assert reported == [False, True, False, False, False, True]
+  assert sum(reported) == int(state.loss_scale_state.skipped_steps) == 2
+
+
 def test_train_state_apply_gradients_takes_scaled_gradients():
   state = _state(loss_scale=jmp_lite.StaticLossScale(8.0), tx=optax.sgd(1.0))
   scaled = jax.tree.map(lambda p: jnp.ones_like(p) * 8.0, state.params)
