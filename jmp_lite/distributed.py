@@ -41,9 +41,11 @@ refused where it is made::
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 
@@ -221,16 +223,37 @@ def is_replicated_everywhere(tree: Any) -> bool:
 
   For checking, outside ``jit``, that the loss-scale state (or anything that
   must agree across replicas) did not diverge: compares the raw bytes of each
-  addressable shard of each fully replicated leaf. Leaves that are sharded
-  (not fully replicated) make it False.
+  addressable shard of each fully replicated leaf and, in a multi-process
+  run, a digest of them across processes (every process must call it, as
+  any collective). Leaves that are sharded (not fully replicated) make it
+  False.
   """
-  for leaf in jax.tree_util.tree_leaves(tree):
-    if not isinstance(leaf, jax.Array):
-      continue
+  leaves = [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+  local_ok = True
+  # Per leaf: whether this process holds it, and a digest of its bytes.
+  rows = np.zeros((len(leaves), 9), np.uint32)
+  for i, leaf in enumerate(leaves):
     if not leaf.sharding.is_fully_replicated:
-      return False
+      local_ok = False
+      continue
     blobs = {np.asarray(s.data).tobytes() for s in leaf.addressable_shards}
     if len(blobs) > 1:
+      local_ok = False
+    elif blobs:
+      rows[i, 0] = 1
+      rows[i, 1:] = np.frombuffer(hashlib.sha256(blobs.pop()).digest(), np.uint32)
+  if jax.process_count() == 1:
+    return local_ok
+  # Every process takes part in the gather, whatever it found: one that
+  # returned early would leave the others waiting in it.
+  mine = np.concatenate([np.array([local_ok], np.uint32), rows.ravel()])
+  every = np.asarray(multihost_utils.process_allgather(mine))
+  if not np.all(every[:, 0]):
+    return False
+  held = every[:, 1:].reshape(every.shape[0], len(leaves), 9)
+  for i in range(len(leaves)):
+    digests = held[held[:, i, 0] == 1, i, 1:]
+    if len(digests) and np.any(digests != digests[0]):
       return False
   return True
 

@@ -119,6 +119,15 @@ def test_workers_join_one_runtime_and_report_results():
     assert np.isnan(out["nonfinite"][0]) and out["nonfinite"][1] == np.inf
 
 
+def test_is_replicated_everywhere_compares_across_processes():
+  """Each process compared only its own devices' shards: a fully replicated
+  scale holding 32768 in one process and 16384 in the other read as
+  replicated in both."""
+  results = run_processes(HARNESS, num_processes=2, devices_per_process=2,
+                          args=["replicas"], timeout=TIMEOUT)
+  assert [(r.result["same"], r.result["diverged"]) for r in results] == [(True, False)] * 2
+
+
 def test_one_process_by_module_name_overrides_an_inherited_device_count():
   # The parent's XLA_FLAGS asks for 8 devices; devices_per_process wins.
   results = run_processes("harness", num_processes=1, devices_per_process=3,

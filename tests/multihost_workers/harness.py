@@ -11,6 +11,10 @@ Modes (the tests say what each one proves):
 * ``leave_child``: each process starts a child, reports both pids, exits 0;
 * ``silent``: exits 0 and reports nothing;
 * ``init_hang PIDFILE``: joins the runtime, writes its pid, and sleeps.
+* ``replicas``: joins the runtime and reports what
+  `jmp_lite.distributed.is_replicated_everywhere` says of a fully replicated
+  array holding the same value in every process, and of one holding a
+  value per process (a loss scale that diverged across hosts).
 
 Importing this module (pytest's doctest collection does) touches no device.
 """
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jmp_lite import distributed
 from jmp_lite import testing
 
 SLEEP = 600  # longer than any test waits: these processes must be killed
@@ -72,6 +77,18 @@ def main(mode, args):
     if mode == "hang":
       print(f"process {_process_id()} is hanging", file=sys.stderr, flush=True)
       time.sleep(SLEEP)
+  elif mode == "replicas":
+    process = testing.initialize_worker()
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+
+    def replicated(value):
+      shards = [jax.device_put(np.float32(value), d) for d in jax.local_devices()]
+      return jax.make_array_from_single_device_arrays((), NamedSharding(mesh, P()), shards)
+
+    same, diverged = replicated(2.0 ** 15), replicated(2.0 ** 15 / (1 + process))
+    testing.report_result({
+        "same": distributed.is_replicated_everywhere({"a": same, "b": jnp.ones(3)}),
+        "diverged": distributed.is_replicated_everywhere({"a": same, "b": diverged})})
   elif mode == "silent":
     pass
   elif mode == "init_hang":
