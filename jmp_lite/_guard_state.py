@@ -188,7 +188,12 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState:
     raise ValueError(
         f"Expected exactly one jmp_lite.optax.with_loss_scale state in opt_state, "
         f"found {len(found)} in {jax.tree_util.tree_structure(opt_state)}.")
-  return found[0]
+  # `nnx.Optimizer` holds each array of its optax state in a Variable
+  # (`OptArray`, a pytree node): read as the arrays an optax state holds, so
+  # that ``.skipped`` is a flag `jmp_lite.select_tree` and `lax.cond` take.
+  wrapped = lambda x: hasattr(x, "__jax_array__") and not isinstance(x, jax.Array)
+  return jax.tree.map(lambda x: jnp.asarray(x) if wrapped(x) else x, found[0],
+                      is_leaf=wrapped)
 
 
 def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:

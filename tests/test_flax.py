@@ -593,6 +593,49 @@ def test_linen_o1_policy_autocasts_the_whole_model_with_dropout():
   report.assert_clean()
 
 
+@pytest.mark.usefixtures("standard_promotion")  # optax.adam's bias correction
+def test_nnx_optimizer_guard_keeps_everything_on_a_skipped_step():
+  """``nnx.Optimizer`` holds its optax state's arrays in Variables:
+  ``find_loss_scale_state(opt.opt_state).skipped`` was one, which
+  ``select_tree`` refused (``__jax_array__`` during abstractification). With
+  it a plain flag, the README's NNX step keeps parameters, moments and
+  BatchNorm statistics on a skipped step. Oracle: the state before it."""
+  import optax
+  import jmp_lite.optax
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.l1, self.bn = nnx.Linear(8, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
+
+    def __call__(self, x):
+      return self.bn(self.l1(x))
+
+  model = jmp_lite.flax.wrap(Net(nnx.Rngs(0)), "p=f32,c=f16,o=f32")
+  opt = nnx.Optimizer(model, jmp_lite.optax.with_loss_scale(
+      optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0 ** 10)), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, x):
+    scale = jmp_lite.optax.get_loss_scale(opt.opt_state)
+    before = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    grads = nnx.grad(lambda m: scale.scale(jnp.mean(m(x) ** 2)))(model)
+    opt.update(model, grads)
+    skipped = jmp_lite.optax.find_loss_scale_state(opt.opt_state).skipped
+    after = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    nnx.update(model, jmp_lite.select_tree(skipped, before, after))
+    return skipped
+
+  x = jax.random.normal(jax.random.key(1), (32, 8))
+  assert not bool(step(model, opt, x))
+  kept = jax.tree.map(np.array, (nnx.state(model), opt.opt_state))
+  assert bool(step(model, opt, x * 1e5))  # float16 overflows in l1's output
+  state = jmp_lite.optax.find_loss_scale_state(opt.opt_state)
+  assert isinstance(state.skipped, jax.Array) and state.skipped.dtype == jnp.bool_
+  now = jax.tree.map(np.array, (nnx.state(model), opt.opt_state))
+  inner = lambda t: (t[0], jmp_lite.optax.find_loss_scale_state(t[1]).inner_state)
+  assert_trees_bitwise_equal(inner(now), inner(kept))
+
+
 def test_nnx_o1_policy_autocasts_the_whole_model():
   model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)),
                          nnx.Dropout(0.2, rngs=nnx.Rngs(1)),
