@@ -36,8 +36,7 @@ A pure-bfloat16 recipe (params, compute and moments in bfloat16)::
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +44,8 @@ import numpy as np
 import optax
 
 from jmp_lite import _exact
+from jmp_lite import _stored
+from jmp_lite._stored import stored_params
 from jmp_lite.policy import DTypeLike
 from jmp_lite._dtypes import is_floating
 from jmp_lite._dtypes import wide_dtype
@@ -61,73 +62,6 @@ __all__ = (
 
 def _is_low(p: Any) -> bool:
   return jnp.issubdtype(p.dtype, jnp.floating) and jnp.finfo(p.dtype).bits < 32
-
-
-# `jmp_lite.optax.with_loss_scale` runs its inner optimizer on float32 copies
-# of half-precision parameters, so that moments, hyperparameters and weight
-# decay are computed in float32. The rounding transforms below must still see
-# the parameters as stored: they round onto the stored dtype. The wrapper puts
-# the stored parameters here while it traces ``inner.init``/``inner.update``
-# (a trace-time Python value, like JAX's own configuration contexts), with
-# each copy known by its identity: a transform given part of them
-# (``optax.masked``, ``optax.multi_transform``; the copies without the integer
-# leaves no optimizer updates) finds each one's stored parameter.
-class _Stored(NamedTuple):
-  tree: Any  # the stored parameters
-  by_copy: dict  # id(a copy) -> the stored leaf it copies
-  alive: list  # the copies, kept alive while their ids are keys
-
-
-_STORED_PARAMS: contextvars.ContextVar[Optional[_Stored]] = contextvars.ContextVar(
-    "jmp_lite_stored_params", default=None)
-
-
-@contextlib.contextmanager
-def stored_params(params: Any, copies: Any = None) -> Iterator[None]:
-  """While active, the rounding transforms round onto ``params``' dtypes.
-
-  Args:
-    params: the parameters as stored.
-    copies: what the optimizer inside is given instead (float32 copies of
-      ``params``, None for leaves it cannot update), leaf for leaf; a
-      rounding transform given any of them rounds onto the leaf of
-      ``params`` it copies. Nested, a copy of a copy is known as the
-      outermost stored leaf.
-  """
-  outer = _STORED_PARAMS.get()
-  by_copy = dict(outer.by_copy) if outer is not None else {}
-  alive = list(outer.alive) if outer is not None else []
-  if copies is not None:
-    def note(copy, stored):
-      if copy is not None:
-        by_copy[id(copy)] = by_copy.get(id(stored), stored)
-        alive.append(copy)
-    jax.tree.map(note, copies, params, is_leaf=lambda x: x is None)
-  tree = outer.tree if outer is not None and copies is not None else params
-  token = _STORED_PARAMS.set(_Stored(tree, by_copy, alive))
-  try:
-    yield
-  finally:
-    _STORED_PARAMS.reset(token)
-
-
-def _params_as_stored(params: Any, name: str) -> Any:
-  """``params``, with each copy (`stored_params`) replaced by what it copies."""
-  if params is None:
-    raise ValueError(f"{name} needs params: call update(updates, state, params).")
-  stored = _STORED_PARAMS.get()
-  if stored is None:
-    return params
-  leaves, treedef = jax.tree.flatten(params)
-  if leaves and all(id(x) in stored.by_copy for x in leaves):
-    return treedef.unflatten([stored.by_copy[id(x)] for x in leaves])
-  # Copies a transform rebuilt (new arrays of the same values): the stored
-  # tree, where it is the same tree of the same shapes.
-  same = jax.tree.structure(stored.tree) == treedef and all(
-      np.shape(a) == np.shape(b) for a, b in zip(jax.tree.leaves(stored.tree), leaves))
-  if same:
-    return stored.tree
-  return treedef.unflatten([stored.by_copy.get(id(x), x) for x in leaves])
 
 
 class StochasticRoundState(NamedTuple):
@@ -202,6 +136,12 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
   by more than one ulp of the parameter dtype beyond ``p + u``. The key
   advances once per step; the same key gives the same run.
 
+  Under ``jit`` a sharded parameter draws as the whole array would. Inside
+  ``shard_map`` every device holds the same key, so the shards of a
+  parameter split over a mesh axis draw the same numbers: each shard is
+  still unbiased, but their roundings are correlated (and replicated
+  parameters round alike on every device, as they must).
+
   Args:
     key: a PRNG key (``jax.random.key`` or ``PRNGKey``).
 
@@ -239,11 +179,10 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
     return StochasticRoundState(key=jnp.asarray(unwrap(key)))
 
   def update(updates, state, params=None):
-    params = _params_as_stored(params, "stochastic_round")
+    params = _stored.params_as_stored(params, "stochastic_round")
     step_key, next_key = jax.random.split(wrap(state.key))
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(step_key, max(len(leaves), 1))
-    keys = jax.tree.unflatten(treedef, list(keys[:len(leaves)]))
+    treedef, paths, us, ps = _pairs(updates, params, "stochastic_round")
+    keys = jax.random.split(step_key, max(len(ps), 1))
 
     def one(u, p, k):
       if not _is_low(p):
@@ -252,7 +191,8 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
       new = _stochastic_round(p32 + u.astype(jnp.float32), p.dtype, k)
       return new.astype(jnp.float32) - p32
 
-    return jax.tree.map(one, updates, params, keys), StochasticRoundState(unwrap(next_key))
+    return (treedef.unflatten([one(u, p, k) for u, p, k in zip(us, ps, keys)]),
+            StochasticRoundState(unwrap(next_key)))
 
   return optax.GradientTransformation(init, update)
 
@@ -299,16 +239,19 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
     dtype = _floating_dtype(dtype, "kahan_summation")
 
   def init(params):
-    params = _params_as_stored(params, "kahan_summation")
+    params = _stored.params_as_stored(params, "kahan_summation")
 
-    def zeros(p):
+    def zeros(path, p):
+      if not hasattr(p, "dtype"):
+        raise TypeError(f"kahan_summation: param {jax.tree_util.keystr(path)} is "
+                        f"{p!r}, not an array.")
       if not _is_low(p):
         return jnp.zeros((), jnp.float32)  # placeholder: nothing to compensate
       return jnp.zeros(p.shape, p.dtype if dtype is None else dtype)
-    return KahanState(jax.tree.map(zeros, params))
+    return KahanState(jax.tree_util.tree_map_with_path(zeros, params))
 
   def update(updates, state, params=None):
-    params = _params_as_stored(params, "kahan_summation")
+    params = _stored.params_as_stored(params, "kahan_summation")
 
     def one(u, p, c):
       if not _is_low(p):
@@ -329,13 +272,53 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
     # Split by the updates' structure, not by `isinstance(x, tuple)`: the
     # parameters' own tuples (``(w, b)``, an Equinox MLP's layers) are tuples
     # too, and were taken for (update, compensation) pairs.
-    leaves, treedef = jax.tree.flatten(updates)
-    pairs = [one(u, p, c) for u, p, c in zip(
-        leaves, treedef.flatten_up_to(params), treedef.flatten_up_to(state.compensation))]
+    treedef, paths, us, ps = _pairs(updates, params, "kahan_summation")
+    cs = _flatten_like(treedef, state.compensation, "kahan_summation", "state")
+    for where, p, c in zip(paths, ps, cs):
+      if _is_low(p) and np.shape(c) != np.shape(p):
+        raise ValueError(
+            f"kahan_summation: the state's compensation {where} is "
+            f"{jnp.dtype(c.dtype).name}{list(np.shape(c))}, its parameter "
+            f"{p.dtype.name}{list(p.shape)}: the state was made for other "
+            "parameters. Make it with init(params).")
+    pairs = [one(u, p, c) for u, p, c in zip(us, ps, cs)]
     return (treedef.unflatten([u for u, _ in pairs]),
             KahanState(treedef.unflatten([c for _, c in pairs])))
 
   return optax.GradientTransformation(init, update)
+
+
+def _flatten_like(treedef, tree: Any, name: str, what: str) -> list:
+  """``tree``'s subtrees at the leaves of ``treedef``, or a ValueError."""
+  try:
+    return treedef.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{name}: the {what} and the updates differ in structure: "
+                     f"{e}") from None
+
+
+def _pairs(updates: Any, params: Any, name: str):
+  """``(treedef, paths, updates, params)`` leaf by leaf, the updates' tree.
+
+  Raises:
+    ValueError: where the trees differ, or a leaf's shapes do (naming it).
+    TypeError: for a parameter that is not an array, or a low-precision
+      parameter's update that is not floating (naming it).
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  ps = _flatten_like(treedef, params, name, "params")
+  paths = [jax.tree_util.keystr(path) or "(root)" for path, _ in flat]
+  for where, (_, u), p in zip(paths, flat, ps):
+    if not hasattr(p, "dtype") or not hasattr(u, "dtype"):
+      raise TypeError(f"{name}: {where} is {p!r} in the params and {u!r} in the "
+                      "updates; both must be arrays.")
+    if np.shape(u) != np.shape(p):
+      raise ValueError(f"{name}: update {where} has shape {list(np.shape(u))}, "
+                       f"its parameter {list(np.shape(p))}.")
+    if _is_low(p) and not jnp.issubdtype(u.dtype, jnp.floating):
+      raise TypeError(f"{name}: update {where} is {jnp.dtype(u.dtype).name} for a "
+                      f"{p.dtype.name} parameter; updates must be floating.")
+  return treedef, paths, [u for _, u in flat], ps
 
 
 def _floating_dtype(dtype: DTypeLike, name: str) -> np.dtype:

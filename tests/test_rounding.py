@@ -328,3 +328,28 @@ def test_a_stochastic_rounding_state_round_trips_through_flax_serialization():
   grads = {"w": jnp.full(64, -1e-3)}
   assert_trees_bitwise_equal(jax.jit(tx.update)(grads, restored, params),
                              jax.jit(tx.update)(grads, state, params))
+
+
+@ROUNDERS
+def test_bad_input_is_named_by_its_path(rounder):
+  """Mismatched trees, shapes and dtypes raised JAX's or optax's generic
+  errors ("Dict key mismatch", "incompatible shapes"), a Python float
+  parameter an AttributeError, and an integer update for a bfloat16
+  parameter was accepted."""
+  tx = rounder()
+  params = {"a": {"w": jnp.ones(4, jnp.bfloat16)}}
+  state = tx.init(params)
+  cases = [
+      ({"a": {"v": jnp.ones(4)}}, params, ValueError, "differ in structure"),
+      ({"a": {"w": jnp.ones(3)}}, params, ValueError, r"\['a'\]\['w'\].*\[3\]"),
+      ({"a": {"w": jnp.ones(4, jnp.int32)}}, params, TypeError, r"\['a'\]\['w'\] is int32"),
+  ]
+  for updates, p, error, match in cases:
+    with pytest.raises(error, match=match):
+      tx.update(updates, state, p)
+  if isinstance(state, jo.KahanState):
+    with pytest.raises(TypeError, match=r"\['b'\] is 1.5"):
+      tx.init({"b": 1.5})
+    wrong = tx.init({"a": {"w": jnp.ones(4, jnp.float32)}})  # made for float32 params
+    with pytest.raises(ValueError, match=r"compensation \['a'\]\['w'\].*init\(params\)"):
+      tx.update({"a": {"w": jnp.ones(4)}}, wrong, params)
