@@ -68,13 +68,14 @@ def _check_flag(flag: Any, what: str) -> jax.Array:
 
 
 def _multiply(tree: T, *factors: jax.Array) -> T:
-  """Multiplies floating and complex leaves by float32 ``factors``, in order,
-  keeping dtypes.
+  """Multiplies floating and complex leaves by float32 ``factors``, in order.
 
-  The product is formed in float32 (float64 for float64, complex for complex
-  leaves) and rounded to the leaf's dtype once: a scale of 2**16 is infinite
-  in float16, so it must not be cast to the leaf's dtype first. fp8 leaves
-  (quantisation metadata, not gradients of the loss) are left as they are.
+  The product is formed and returned in float32 (float64 for float64,
+  complex for complex leaves), as jmp's ``x * loss_scale`` with its float32
+  scale promotes: a float16 loss of 4 scaled by 2**15 is 131072, which
+  float16 would hold as inf, and an unscaled float16 gradient would lose
+  what falls below float16's normals. fp8 leaves (quantisation metadata,
+  not gradients of the loss) are left as they are.
   """
   def mul(x):
     if isinstance(x, (int, float)) and not isinstance(x, bool):
@@ -88,7 +89,7 @@ def _multiply(tree: T, *factors: jax.Array) -> T:
     out = x.astype(wide)
     for f in factors:
       out = out * f.astype(wide)
-    return out.astype(x.dtype)
+    return out
 
   return jax.tree_util.tree_map(mul, tree)
 
@@ -393,7 +394,10 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
   """Selects a pytree based on the given predicate: ``a`` if ``pred`` else ``b``.
 
   Leaves that are not arrays or numbers (an Equinox model's activation
-  functions) are kept if they are the same object in ``a`` and ``b``.
+  functions) are kept if they are the same object in ``a`` and ``b``, and a
+  Python number equal in both stays that number (an Equinox field that
+  ``eqx.filter_jit`` keeps static); selecting arrays or differing numbers
+  gives arrays, as in jmp.
 
   Raises:
     _FlagError: (a ValueError) if ``pred`` is not a boolean scalar.
@@ -416,6 +420,12 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
         f"  a: {a_def}\n  b: {b_def}")
   out = []
   for (path, x), (_, y) in zip(a_leaves, b_leaves):
+    if isinstance(x, (bool, int, float, complex)) and type(x) is type(y) and repr(x) == repr(y):
+      # The same Python number in both (an Equinox model's static field, a
+      # dropout rate): kept a number, as `eqx.filter_jit` keeps it static.
+      # (By repr: -0.0 and 0.0 differ, and NaN is itself.)
+      out.append(x)
+      continue
     if not all(isinstance(v, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
                for v in (x, y)):
       # A model's own non-array leaves (an Equinox activation function): the

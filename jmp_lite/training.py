@@ -171,7 +171,10 @@ def value_and_grad(
       value, grads, stats, _ = scaled_vg(step, None, loss_scale, *args, **kwargs)
     else:
       value, grads = scaled_vg(loss_scale, *args, **kwargs)
-    grads = loss_scale.unscale(grads)
+    # Gradients in their parameters' dtypes, as jax.grad gives them (`unscale`
+    # returns float32 for 16-bit leaves; one rounding either way).
+    grads = jax.tree.map(lambda u, g: u.astype(g.dtype) if hasattr(g, "dtype") else u,
+                         loss_scale.unscale(grads), grads)
     finite = ls_lib.all_finite(grads, axis_name=axis_name)
     # With check_vma=True a per-device flag is typed so: adjust refuses it,
     # and shard_map refuses it as a replicated output. Unchecked, nothing

@@ -388,7 +388,7 @@ def test_jitted_step_with_changing_scale_compiles_once(cls):
       seen.append(float(ls.loss_scale))
       ls, out, finite = step(ls, bad if i % 3 == 2 else grads)
       assert bool(finite) == (i % 3 != 2)
-      assert out["w"].dtype == F16 and out["b"].dtype == BF16
+      assert out["w"].dtype == F32 and out["b"].dtype == F32  # as jmp (below)
       if bool(finite):
         np.testing.assert_array_equal(np.asarray(out["w"], np.float32), [2.0 ** -10] * 3)
   assert all(a != b for a, b in zip(seen, seen[1:]))  # A new scale every step.
@@ -440,7 +440,11 @@ def test_lower_and_compile_a_step_taking_a_loss_scale(make):
 @pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=["f16", "bf16", "f32", "f64"])
 @pytest.mark.parametrize("cls", [jmp_lite.StaticLossScale, jmp_lite.DynamicLossScale])
 @JIT
-def test_scale_and_unscale_keep_leaf_dtypes(dtype, cls, jit):
+def test_scale_and_unscale_return_jmps_dtypes(dtype, cls, jit):
+  """jmp scales by ``x * loss_scale`` (jmp/_src/loss_scale.py, jmp 0.0.4:
+  ``StaticLossScale.scale``/``DynamicLossScale.scale``; its docstring's scale
+  is ``jnp.asarray(2. ** 15)``, float32): a 16-bit leaf comes back float32
+  under JAX's standard promotion; float32 and float64 stay."""
   with x64_if_needed(dtype):
     ls = cls(2.0 ** 8)
     values = np.array([0.5, -1.25, 3.0, 0.0], np.float32)
@@ -449,8 +453,12 @@ def test_scale_and_unscale_keep_leaf_dtypes(dtype, cls, jit):
             "nested": [jnp.asarray(values[:2], dtype)]}
     scaled = maybe_jit(ls.scale, jit)(tree)
     unscaled = maybe_jit(ls.unscale, jit)(scaled)
+    want = F64 if dtype == F64 else F32
+    with jax.numpy_dtype_promotion("standard"):
+      jmp_scaled = tree["x"] * jnp.asarray(2.0 ** 8, jnp.float32)  # jmp's arithmetic
+    assert jmp_scaled.dtype == want
     for out, factor in ((scaled, 2.0 ** 8), (unscaled, 1.0)):
-      assert out["x"].dtype == dtype and out["nested"][0].dtype == dtype
+      assert out["x"].dtype == want and out["nested"][0].dtype == want
       np.testing.assert_array_equal(np.asarray(out["x"], np.float32), values * factor)
       assert out["none"] is None
       np.testing.assert_array_equal(out["i"], tree["i"])
@@ -464,20 +472,21 @@ def test_scale_and_unscale_keep_leaf_dtypes(dtype, cls, jit):
 @pytest.mark.parametrize("cls", [jmp_lite.StaticLossScale, jmp_lite.DynamicLossScale])
 @JIT
 def test_float16_leaf_with_a_scale_beyond_float16_range(cls, jit):
-  # 2**16 is inf in float16: the product must be formed in float32.
+  # 2**16 is inf in float16: the product is float32, as in jmp.
   ls = cls(2.0 ** 16)
   x = jnp.float16(0.5)
   scaled = maybe_jit(ls.scale, jit)(x)
-  assert scaled.dtype == F16 and scaled == 32768.0
+  assert scaled.dtype == F32 and scaled == 32768.0
+  assert maybe_jit(ls.scale, jit)(jnp.float16(4.0)) == 2.0 ** 18  # inf in float16
   round_trip = maybe_jit(ls.unscale, jit)(scaled)
-  assert round_trip.dtype == F16 and round_trip == 0.5
-  assert cls(2.0 ** 16).unscale(cls(2.0 ** 16).scale(x)) == 0.5
-  # 2**-30 is 0 in float16, yet 32768 / 2**30 = 2**-15 is representable.
-  tiny = maybe_jit(cls(2.0 ** 30).unscale, jit)(jnp.float16(32768.0))
-  assert tiny.dtype == F16 and tiny == 2.0 ** -15
+  assert round_trip.dtype == F32 and round_trip == 0.5
+  # 2**-30 is 0 in float16, and 32768 / 2**40 = 2**-25 is below float16's
+  # subnormals: float32 holds it.
+  tiny = maybe_jit(cls(2.0 ** 40).unscale, jit)(jnp.float16(32768.0))
+  assert tiny.dtype == F32 and tiny == 2.0 ** -25
   # Random float16 values survive a power-of-two round trip exactly.
   values = jnp.asarray(np.random.default_rng(0).uniform(-0.99, 0.99, 64), F16)
-  np.testing.assert_array_equal(ls.unscale(ls.scale(values)), values)
+  np.testing.assert_array_equal(ls.unscale(ls.scale(values)), values.astype(F32))
 
 
 def test_scaling_arithmetic_is_float32_in_the_jaxpr():
@@ -489,7 +498,18 @@ def test_scaling_arithmetic_is_float32_in_the_jaxpr():
             and e.outvars[0].aval.shape == (3,)]
     assert len(muls) == n
     assert all(v.aval.dtype == F32 for m in muls for v in m.invars)
-    assert jaxpr.outvars[0].aval.dtype == F16
+    assert jaxpr.outvars[0].aval.dtype == F32
+
+
+def test_value_and_grad_returns_gradients_in_the_parameters_dtypes():
+  """`unscale` returns float32 for float16 leaves; `jmp_lite.value_and_grad`
+  returns what `jax.grad` returns, float16 gradients of float16 parameters,
+  rounded once (oracle: the float32 unscaled gradient, rounded)."""
+  w = jnp.asarray([0.5, 3e-3, 1e-7], jnp.float16)
+  loss = lambda w: jnp.sum(w.astype(jnp.float32) * jnp.float32(3.0))
+  _, grads, _ = jmp_lite.value_and_grad(loss)(w, loss_scale=jmp_lite.StaticLossScale(1000.0))
+  assert grads.dtype == F16
+  np.testing.assert_array_equal(grads, np.full(3, 3.0, np.float16))
 
 
 @pytest.mark.parametrize("scale", [2.0 ** 127, 3 * 2.0 ** 126, 1.5 * 2.0 ** 126,
@@ -1017,3 +1037,22 @@ def test_select_tree_keeps_a_model_s_own_non_array_leaves():
   out = jax.jit(lambda pred: jmp_lite.select_tree(pred, new, old)["w"])(jnp.bool_(False))
   np.testing.assert_array_equal(out, old["w"])
   assert jmp_lite.select_tree(jnp.bool_(True), new, old)["act"] is jax.nn.relu
+
+
+def test_select_tree_keeps_a_python_number_both_trees_hold():
+  """An Equinox model's ``n: int`` field and its Dropout's ``p``/``inference``
+  came back as arrays (tracers under ``eqx.filter_jit``, where ``range(n)``
+  then failed). Numbers that differ, or that are not the same bits (-0.0 and
+  0.0), are selected as arrays, as jmp selects every leaf."""
+  new = {"n": 2, "p": 0.5, "inference": False, "w": jnp.ones(2), "z": 0.0, "k": 3}
+  old = {"n": 2, "p": 0.5, "inference": False, "w": jnp.zeros(2), "z": -0.0, "k": 4}
+
+  @jax.jit
+  def select(pred):
+    out = jmp_lite.select_tree(pred, new, old)
+    assert [type(out[k]) for k in ("n", "p", "inference")] == [int, float, bool]
+    return out["w"] * out["n"], out["z"], out["k"]
+
+  w, z, k = select(jnp.bool_(False))
+  np.testing.assert_array_equal(w, [0.0, 0.0])
+  assert np.signbit(z) and int(k) == 4

@@ -406,3 +406,12 @@ def test_assert_trees_bitwise_equal_catches_what_value_equality_misses(a, b, mat
   assert_trees_bitwise_equal(a, a)
   assert_trees_bitwise_equal(b, b)
 
+
+
+def test_bitwise_equal_compares_a_models_own_leaves_that_are_not_arrays():
+  """On an Equinox model (its activation function a leaf) the identical
+  model raised "Cannot change data-type for array of references"."""
+  model = {"act": jax.nn.relu, "name": "mlp", "w": jnp.ones(2)}
+  assert_trees_bitwise_equal(model, dict(model))
+  with pytest.raises(AssertionError, match=r"\['act'\]: .* vs <function gelu"):
+    assert_trees_bitwise_equal(model, {**model, "act": jax.nn.gelu})
