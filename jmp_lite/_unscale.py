@@ -266,8 +266,14 @@ def apply_updates(params: Any, updates: Any) -> Any:
   rounded once to ``p``'s dtype: what ``optax.apply_updates`` computes under
   JAX's standard promotion. It also works under
   ``jax_numpy_dtype_promotion="strict"``, where ``optax.apply_updates``
-  rejects a float32 update for a bfloat16 parameter.
+  rejects a float32 update for a bfloat16 parameter. A None update (an
+  Equinox model's, for a leaf that is not an array) leaves its parameter as
+  it is, as ``eqx.apply_updates`` does; ``eqx.apply_updates`` itself
+  computes ``p + u`` and so makes a bfloat16 parameter float32.
   """
+  # A None update leaves its parameter as it is: an Equinox model's
+  # updates are None where the model holds functions or other non-arrays
+  # (`eqx.apply_updates` does the same).
   return jax.tree.map(
-      lambda p, u: None if p is None else _elementwise.add_rounded(p, u),
+      lambda p, u: p if p is None or u is None else _elementwise.add_rounded(p, u),
       params, updates, is_leaf=lambda x: x is None)

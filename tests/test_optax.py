@@ -302,3 +302,16 @@ def test_eager_update_compiles_once_not_on_every_call():
   tx = jo.with_loss_scale(inner, jmp_lite.NoOpLossScale())
   tx.update(grads, tx.init(params), params, value=2.5)
   assert seen and all(v == 2.5 and isinstance(v, float) for v in seen)
+
+
+def test_apply_updates_leaves_a_parameter_with_a_none_update():
+  """An Equinox model's updates are None where it holds functions: the
+  model could not be updated ("unsupported operand type(s) for +: 'float'
+  and 'NoneType'"). Oracle: ``eqx.apply_updates``'s rule (a None update
+  leaves the leaf), and the float32 sum rounded once to bfloat16."""
+  model = {"act": jax.nn.relu, "w": jnp.ones(3, jnp.bfloat16), "b": None}
+  updates = {"act": None, "w": jnp.full(3, 2.0 ** -6, jnp.float32), "b": None}
+  out = jo.apply_updates(model, updates)
+  assert out["act"] is jax.nn.relu and out["b"] is None
+  assert out["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out["w"], np.float32), 1 + 2.0 ** -6)
