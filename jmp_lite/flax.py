@@ -76,6 +76,7 @@ rule matches use ``policy``. `policy_map` lists the outcome.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import reprlib
 from typing import Optional
 
 import flax.linen as nn
@@ -150,13 +151,19 @@ def wrap(module, policy: Policy | str, *, rules: Optional[Mapping] = None,
         "Op-level autocast (O1) applies to a whole model: give it as wrap's "
         "policy, not in rules (got rules "
         f"{ {str(k): str(v) for k, v in (rules or {}).items()} }).")
+  if isinstance(module, (_LinenWrapper, NnxWrapper)):
+    raise ValueError(
+        f"wrap: the model is already wrapped (policy {module.rules.policy}); "
+        "wrap the model itself, wrap(wrapped.module, ...), with the rules it "
+        "should run under.")
   if isinstance(module, nn.Module):
     return _LinenWrapper(module, parsed)
   if isinstance(module, nnx.Module):
     return NnxWrapper(module, parsed)
+  # A short repr: an nnx.State or an optimizer prints its every array.
   raise TypeError(
-      f"wrap expects a flax.linen.Module or a flax.nnx.Module, got {module!r} "
-      f"({type(module).__name__}).")
+      f"wrap expects a flax.linen.Module or a flax.nnx.Module, got "
+      f"{reprlib.repr(module)} ({type(module).__module__}.{type(module).__qualname__}).")
 
 
 def policy_map(wrapped, *args, rngs=None, **kwargs) -> dict[str, Policy]:

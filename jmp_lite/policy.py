@@ -294,10 +294,14 @@ def parse_dtype(value: str) -> np.dtype:
         f"Ambiguous dtype '{value}': write 'float32' (f32) or 'float64' (f64).")
   try:
     dt = np.dtype(jnp.dtype(value))
-    if jnp.issubdtype(dt, jnp.floating):
-      return dt.newbyteorder("=")
   except (TypeError, ValueError, SyntaxError):  # numpy raises SyntaxError for ",".
-    pass
+    dt = None
+  if dt is not None and jnp.issubdtype(dt, jnp.floating):
+    return dt.newbyteorder("=")
+  if dt is not None:
+    raise ValueError(
+        f"dtype '{value}' is {dt.name}, not a floating dtype: a policy's dtypes "
+        f"are floating, one of {sorted(name_to_dtype)}.")
   raise ValueError(
       f"Unknown dtype '{value}' must be full, half or one of "
       f"{sorted(name_to_dtype)} (e.g. 'f32' for 'float32', 'bf16' for "

@@ -636,6 +636,19 @@ def test_nnx_optimizer_guard_keeps_everything_on_a_skipped_step():
   assert_trees_bitwise_equal(inner(now), inner(kept))
 
 
+def test_wrap_refuses_a_wrapped_model_and_names_a_non_module_briefly():
+  """``wrap(wrap(m))`` was accepted (two wrappers, the inner one's rules
+  winning); ``wrap(nnx.state(m))`` printed every array of the state."""
+  linen = jmp_lite.flax.wrap(nn.Dense(3), BF16)
+  nnx_model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+  for wrapped in (linen, jmp_lite.flax.wrap(nnx_model, "f32")):
+    with pytest.raises(ValueError, match=r"already wrapped.*wrap\(wrapped.module"):
+      jmp_lite.flax.wrap(wrapped, "f32")
+  with pytest.raises(TypeError, match="flax.nnx.statelib.State") as info:
+    jmp_lite.flax.wrap(nnx.state(nnx_model), "f32")
+  assert len(str(info.value)) < 300
+
+
 def test_nnx_o1_policy_autocasts_the_whole_model():
   model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)),
                          nnx.Dropout(0.2, rngs=nnx.Rngs(1)),

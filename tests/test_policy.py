@@ -380,7 +380,7 @@ def test_get_policy_returns_policies_unchanged():
     ("param_dtype=f32", r"Unknown key 'param_dtype'.*'params' \(p\)"),
     ("compute_float16", r"Unknown dtype 'compute_float16'.*bf16.*f32"),
     ("p=f33", r"Unknown dtype 'f33'.*'bf16', 'bfloat16'"),
-    ("c=int8", r"Unknown dtype 'int8'"),
+    ("c=int8", r"dtype 'int8' is int8, not a floating dtype"),
     ("p=f32,", r"Malformed token ''"),
     ("p=f32,c", r"Malformed token 'c'"),
     ("p==f32", r"Malformed token 'p==f32'"),
