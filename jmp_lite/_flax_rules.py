@@ -282,19 +282,20 @@ def warn_if_bridged(module, path: str, policy: Policy) -> None:
         "the NNX model itself.", UserWarning, stacklevel=3)
 
 
-def state_dtype_hint(error, variables, policy: Policy) -> Optional[str]:
+def state_dtype_hint(error, variables, policy: Policy, nnx_model: bool = False) -> Optional[str]:
   """What to do when a model's own state meets a value computed under the
   policy in an operation that takes one dtype (``lax.dynamic_update_slice``
   writing a decoding cache): None when the error is another, or no
   collection but the parameters holds a float dtype other than the
-  compute dtype."""
+  compute dtype. ``variables``: collection (an NNX model's: Variable type)
+  -> tree."""
   if "requires arguments to have the same dtypes" not in str(error):
     return None
   compute = np.dtype(policy.compute_dtype)
   found = {}
   if isinstance(variables, Mapping):
     for collection, tree in variables.items():
-      if collection == "params":
+      if collection in ("params", "Param"):
         continue
       for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if _dtypes.is_floating(leaf) and np.dtype(leaf.dtype) != compute:
@@ -302,11 +303,13 @@ def state_dtype_hint(error, variables, policy: Policy) -> Optional[str]:
   if not found:
     return None
   where = "; ".join(f"{c!r}: {p} is {d}" for c, (p, d) in found.items())
+  made = (f"Make it in {compute} (a decoding cache: "
+          f"model.init_cache(shape, dtype={compute.name}))." if nnx_model else
+          f"Make that collection with the wrapped model's init "
+          f"(wrapped.init(...)[collection]) or cast it to {compute}.")
   return (
-      f"jmp_lite.flax.wrap: the variables passed to apply hold floats other "
-      f"than the compute dtype {compute} outside 'params' ({where}). Under "
+      f"jmp_lite.flax.wrap: the model's state holds floats other than the "
+      f"compute dtype {compute} outside its parameters ({where}). Under "
       f"wrap a module computes in its policy's compute dtype, and state it "
       f"builds from what it computes (a decoding cache's keys and values) is "
-      f"made in that dtype by the wrapped model's init, as Flax's own "
-      f"{compute} modules make it. Make that collection with the wrapped "
-      f"model's init (wrapped.init(...)[collection]) or cast it to {compute}.")
+      f"made in that dtype, as Flax's own {compute} modules make it. {made}")

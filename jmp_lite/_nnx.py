@@ -12,6 +12,7 @@ stored parameters, so they come back in ``param_dtype``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from jmp_lite._flax_rules import keep_carry
 from jmp_lite._flax_rules import needs_rewrite
 from jmp_lite._flax_rules import path_str
 from jmp_lite._flax_rules import Rules
+from jmp_lite._flax_rules import state_dtype_hint
 from jmp_lite._flax_rules import tap_and_cast
 from jmp_lite._jaxpr import internals as _internals
 from jmp_lite._jaxpr.passes import engine as _engine
@@ -115,7 +117,13 @@ class NnxWrapper(nnx.Module):
       out, updates = _instrument.forward(run, fp8, self.rules, graphdef, state,
                                          *args, **kwargs)
     else:
-      out, updates = run(self.rules, graphdef, state, *args, **kwargs)
+      try:
+        out, updates = run(self.rules, graphdef, state, *args, **kwargs)
+      except TypeError as e:
+        hint = state_dtype_hint(e, _by_variable_type(state), policy, nnx_model=True)
+        if hint is None:
+          raise
+        raise TypeError(f"{e}\n\n{hint}") from e
     # Write back only what the call changed (an eval-mode call under a plain
     # JAX transformation changes nothing, and may not mutate), in the stored
     # dtype: statistics are never downcast.
@@ -134,6 +142,15 @@ class NnxWrapper(nnx.Module):
     if changed:
       nnx.update(self.module, nnx.from_flat_state(changed))
     return out
+
+
+def _by_variable_type(state) -> dict[str, dict[str, Any]]:
+  """An NNX state's values grouped by Variable type (``Cache``...), by path."""
+  out: dict[str, dict[str, Any]] = {}
+  for path, variable in nnx.to_flat_state(state):
+    out.setdefault(type(variable).__name__, {})["/".join(map(str, path))] = (
+        variable.get_value())
+  return out
 
 
 def _policies(rules: Rules, module) -> dict[tuple, Policy]:

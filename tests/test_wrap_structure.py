@@ -234,6 +234,27 @@ def test_a_decoding_cache_is_the_compute_dtype_models_cache(policy):
     wrapped.apply(variables, x[:, :1], mutable=["cache"])
 
 
+@pytest.mark.usefixtures("standard_promotion")  # NNX's own half attention mixes dtypes
+@pytest.mark.parametrize("policy", list(HALF))
+def test_an_nnx_models_float32_cache_is_refused_with_what_to_do(policy):
+  """An NNX model decoding with the float32 cache of ``init_cache``'s default
+  got JAX's bare dynamic_update_slice error (Linen's says what to do). The
+  cache made in the compute dtype decodes, as NNX's own model of that dtype
+  does (oracle: its outputs, to the compute dtype's precision)."""
+  compute = jnp.bfloat16 if HALF[policy] == "bf16" else jnp.float16
+  x = jax.random.normal(jax.random.key(1), (1, 1, 8))
+  make = lambda **kw: nnx.MultiHeadAttention(2, 8, rngs=nnx.Rngs(0), decode=True, **kw)
+  wrapped = jmp_lite.flax.wrap(make(), policy)
+  wrapped.module.init_cache((1, 4, 8))
+  with pytest.raises(TypeError, match=r"'Cache': \['cached_key'\] is float32"
+                     r".*init_cache\(shape, dtype="):
+    wrapped(x)
+  wrapped.module.init_cache((1, 4, 8), dtype=compute)
+  native = make(dtype=compute)
+  native.init_cache((1, 4, 8), dtype=compute)
+  np.testing.assert_allclose(wrapped(x), native(x).astype(jnp.float32), atol=3e-2, rtol=3e-2)
+
+
 def test_a_shared_embedding_stays_one_embedding():
   model = jmp_lite.flax.wrap(Seq2Seq(), "p=f32,c=bf16,o=f32")
   variables = model.init(jax.random.key(0), *MODELS["seq2seq"][1])
