@@ -103,11 +103,19 @@ class _LinenInterceptor:
     # collected a shared module it refers to (a tied embedding) looked
     # unbound and was adopted again under the wrong path.
     self.clones: list[nn.Module] = []
+    # id(clone) -> the interceptors outside this one, set aside while the
+    # clone's method is entered (they ran for the call it re-runs).
+    self.outside: dict[int, list] = {}
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
-    if (isinstance(module.scope, _PolicyScope)
-        or (self.stack and self.stack[-1] is None)):
+    if isinstance(module.scope, _PolicyScope):
+      outside = self.outside.pop(id(module), None)
+      if outside is None:
+        return next_fun(*args, **kwargs)
+      with _internals.interceptors_restored(outside):
+        return next_fun(*args, **kwargs)
+    if self.stack and self.stack[-1] is None:
       return next_fun(*args, **kwargs)
     if context.method_name == "setup":
       return self._setup(next_fun, args, kwargs, module)
@@ -168,8 +176,13 @@ class _LinenInterceptor:
         run = getattr(clone, context.method_name)
         if _lifted(method, context):
           run = functools.partial(nn.module.wrap_method_once(context.orig_method.func), clone)
-        with fp8_scope(self.rules, policy, path):
-          out = run(*args, **kwargs)
+        with fp8_scope(self.rules, policy, path), \
+            _internals.interceptors_inside(self) as outside:
+          self.outside[id(clone)] = outside
+          try:
+            out = run(*args, **kwargs)
+          finally:
+            self.outside.pop(id(clone), None)
     finally:
       self.stack.pop()
     # In a telemetry trace: the module's output as it computed it. The

@@ -255,6 +255,42 @@ def test_an_nnx_models_float32_cache_is_refused_with_what_to_do(policy):
   np.testing.assert_allclose(wrapped(x), native(x).astype(jnp.float32), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("policy", ["f32", "p=f32,c=bf16,o=f32"])
+def test_a_users_interceptor_sees_each_call_once(policy):
+  """``wrap`` re-runs each module's call on a clone, whose method went
+  through the interceptor stack again: a user's ``nn.intercept_methods``
+  interceptor outside the wrapper saw every call twice, and an edit it made
+  to a module's output was applied twice. Oracle: plain Flax (the same
+  calls, and under ``f32`` the same output bitwise)."""
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2)(jnp.tanh(nn.Dense(4, name="d0")(x)))
+
+  def run(model, params, x):
+    seen = []
+
+    def double_d0(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      seen.append((context.module.name, context.method_name))
+      return out * 2.0 if context.module.name == "d0" else out
+
+    with nn.intercept_methods(double_d0):
+      return model.apply({"params": params}, x), seen
+
+  x = jnp.arange(6.0).reshape(2, 3) / 6
+  params = Net().init(jax.random.key(0), x)["params"]
+  want, want_seen = run(Net(), params, x)
+  got, got_seen = run(jmp_lite.flax.wrap(Net(), policy), params, x)
+  layers = lambda seen: [s for s in seen if s[0] in ("d0", "Dense_0")]
+  assert layers(got_seen) == layers(want_seen) == [("d0", "__call__"), ("Dense_0", "__call__")]
+  if policy == "f32":
+    np.testing.assert_array_equal(got, want)
+  else:
+    np.testing.assert_allclose(got, want, atol=2e-2)
+
+
 def test_a_shared_embedding_stays_one_embedding():
   model = jmp_lite.flax.wrap(Seq2Seq(), "p=f32,c=bf16,o=f32")
   variables = model.init(jax.random.key(0), *MODELS["seq2seq"][1])

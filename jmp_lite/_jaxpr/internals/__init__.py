@@ -55,6 +55,8 @@ from jmp_lite._jaxpr.internals.private import called_from
 from jmp_lite._jaxpr.internals.private import OWN_ATTRIBUTE
 from jmp_lite._jaxpr.internals.private import scope_init_args
 from jmp_lite._jaxpr.internals.private import scope_swapped
+from jmp_lite._jaxpr.internals.private import interceptors_inside
+from jmp_lite._jaxpr.internals.private import interceptors_restored
 from jmp_lite._jaxpr.internals.private import set_attributes
 from jmp_lite._jaxpr.internals.private import shallow_clone
 from jmp_lite._jaxpr.internals.private import swap_class
@@ -100,6 +102,8 @@ __all__ = (
     "with_more_consts",
     "wrap_fun",
     "called_from",
+    "interceptors_inside",
+    "interceptors_restored",
     "OWN_ATTRIBUTE",
     "scope_init_args",
     "scope_swapped",

@@ -42,6 +42,43 @@ def scope_swapped(module, scope):
     object.__setattr__(module, "scope", old)
 
 
+@contextlib.contextmanager
+def interceptors_inside(interceptor):
+  """Flax's method-interceptor stack without the interceptors outside
+  ``interceptor`` (pushed before it) for the duration; yields them.
+
+  They have run for the call ``interceptor`` handles, which it re-runs on a
+  clone of the module (`flax.linen.Module.clone`): entering the clone's
+  method goes through the stack again, and a user's interceptor outside the
+  wrapper saw (and edited) each call twice. Relies on
+  ``flax.linen.module._global_interceptor_stack._storage``, the
+  thread-local list of `nn.intercept_methods`' interceptors, outermost first
+  (flax 0.12, flax/linen/module.py: ``ThreadLocalStack``)."""
+  from flax.linen import module as linen_module  # pylint: disable=g-import-not-at-top
+  stack = linen_module._global_interceptor_stack._storage  # pylint: disable=protected-access
+  at = next(i for i, x in enumerate(stack) if x is interceptor)
+  outside = stack[:at]
+  del stack[:at]
+  try:
+    yield outside
+  finally:
+    stack[:0] = outside
+
+
+@contextlib.contextmanager
+def interceptors_restored(outside):
+  """Puts back the interceptors `interceptors_inside` took away, for the
+  duration: the clone's method body, whose submodule calls every
+  interceptor sees once."""
+  from flax.linen import module as linen_module  # pylint: disable=g-import-not-at-top
+  stack = linen_module._global_interceptor_stack._storage  # pylint: disable=protected-access
+  stack[:0] = outside
+  try:
+    yield
+  finally:
+    del stack[:len(outside)]
+
+
 def called_from(code, skip: int) -> bool:
   """Whether a frame running ``code`` (a function's ``__code__``) is on the
   call stack above the caller's ``skip`` callers. Relies on
