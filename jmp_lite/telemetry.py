@@ -102,8 +102,12 @@ class Telemetry:
     dtypes = []
     for d in what_if:
       try:
+        # Names as policies write them ("f16", "e4m3": NumPy reads "f16"
+        # as float128), else any dtype.
         dt = parse_dtype(d) if isinstance(d, str) else np.dtype(d)
-      except TypeError as e:
+      except (TypeError, ValueError) as e:
+        if "not a floating dtype" in str(e):
+          raise ValueError(f"Telemetry: what_if entry {d!r} is not a floating dtype") from e
         raise TypeError(f"Telemetry: what_if entry {d!r} is not a dtype") from e
       if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"Telemetry: what_if entry {d!r} is not a floating dtype")
@@ -112,6 +116,10 @@ class Telemetry:
 
   def sample(self, step) -> Any:
     """Whether to measure at ``step`` (a bool, traced when ``step`` is)."""
+    if step is not None and not (
+        isinstance(step, (int, np.integer)) and not isinstance(step, bool)
+        or jnp.issubdtype(getattr(step, "dtype", np.float64), jnp.integer)):
+      raise TypeError(f"Telemetry: the step must be an integer, got {step!r}")
     if self.every == 1 or step is None:
       return True
     return jnp.asarray(step) % self.every == 0

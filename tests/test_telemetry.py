@@ -504,8 +504,17 @@ def test_bad_input_is_named():
     jmp_lite.Telemetry(every=0)
   with pytest.raises(ValueError, match=r"mode must be one of .*got 'x'"):
     jmp_lite.Telemetry(mode="x")
-  with pytest.raises(ValueError, match=r"int8"):
+  with pytest.raises(ValueError, match=r"Telemetry: what_if entry 'int8' is not a floating"):
     jmp_lite.Telemetry(what_if=("int8",))
+  with pytest.raises(TypeError, match=r"Telemetry: what_if entry 'bogus' is not a dtype"):
+    jmp_lite.Telemetry(what_if=("bogus",))
+  # The policy grammar's names: NumPy alone reads "f16" as float128.
+  assert jmp_lite.Telemetry(what_if=("f16", "e4m3")).what_if == (
+      np.dtype(jnp.float16), np.dtype(jnp.float8_e4m3fn))
+  vg = jmp_lite.value_and_grad(_tapped_square_sum, telemetry=EVERY3)
+  for step in (1.5, True, jnp.float32(3)):  # 1.5 was taken as an unsampled step
+    with pytest.raises(TypeError, match="the step must be an integer"):
+      vg(jnp.ones(3), telemetry_step=step)
   with pytest.raises(ValueError, match=r"what_if entry .*int8.* is not a floating dtype"):
     jmp_lite.Telemetry(what_if=(np.int8,))
   with pytest.raises(TypeError, match=r"telemetry must be a jmp_lite.Telemetry.*got 'yes'"):
