@@ -167,7 +167,13 @@ class PrecisionStats:
   Attributes:
     sampled: whether this step was measured (``Telemetry.every``); the
       statistics of a step that was not are zeros.
-    modules: path -> `ModuleStats`; ``""`` is the wrapped model itself.
+    modules: path -> `ModuleStats`; ``""`` is the wrapped model itself
+      (read from ``rows``).
+    rows: float32 ``[n, 2, 2 + d]``, a row per module (and layer of a
+      scanned stack) in ``order``: forward then backward, the largest
+      finite ``|x|``, the non-finite count and the underflow fraction in
+      each dtype of ``layout``. One array, so that the compiled step
+      returns the statistics of every module as one value.
     cotangent_underflow: of all non-zero cotangents held in a 16-bit (or
       narrower) float, the fraction below that dtype's smallest normal,
       counting as non-zero and below it the loss cotangents that the cast
@@ -180,16 +186,39 @@ class PrecisionStats:
       in the upper bin: at or above 1/16 of the dtype's maximum, or not
       finite (Graphcore's automatic loss scaling histogram, with PopART's
       default bin edge). `jmp_lite.AutomaticLossScale` reads it.
+    layout: per module in forward order, ``(path, dtype, layer shape,
+      ((underflow dtype name, its column), ...))``.
     order: the paths in the order their values were computed.
   """
 
   sampled: jax.Array
-  modules: Mapping[str, ModuleStats]
+  rows: jax.Array
   cotangent_underflow: jax.Array
   cotangent_headroom: jax.Array
   cotangent_upper: jax.Array
-  # Pytree dicts flatten in sorted key order; this keeps the forward order.
-  order: tuple = _struct.static_field(default=())
+  layout: tuple = _struct.static_field(default=())
+
+  @property
+  def order(self) -> tuple[str, ...]:
+    return tuple(path for path, *_ in self.layout)
+
+  @property
+  def modules(self) -> dict[str, ModuleStats]:
+    """path -> `ModuleStats`, in forward order (NumPy arrays outside a
+    trace, slices of ``rows`` inside one)."""
+    try:
+      rows, xp = np.asarray(self.rows), np
+    except jax.errors.TracerArrayConversionError:
+      rows, xp = self.rows, jnp
+    out, at = {}, 0
+    for path, dtype, shape, names in self.layout:
+      n = int(np.prod(shape, dtype=int))
+      block = rows[at:at + n].reshape(*shape, *rows.shape[1:])
+      at += n
+      sides = [(block[..., s, 0], block[..., s, 1].astype(xp.int32),
+                {name: block[..., s, 2 + i] for name, i in names}) for s in (0, 1)]
+      out[path] = ModuleStats(*sides[0], *sides[1], dtype=dtype)
+    return out
 
   def first_nonfinite(self) -> Optional[str]:
     """Where a non-finite value first appeared: forward, else backward.

@@ -54,7 +54,7 @@ def _steps(w, telemetry, ctx):
     return losses
 
   info = jax.eval_shape(one, state)[1]
-  return call, 0 if info.precision is None else len(info.precision.modules)
+  return call, 0 if info.precision is None else len(info.precision.layout)
 
 
 def run(ctx: harness.Context) -> SectionResult:

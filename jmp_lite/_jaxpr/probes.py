@@ -187,20 +187,22 @@ def statistics(x: jax.Array, th: Thresholds, view=None) -> jax.Array:
   if flushed is not None:
     nonzero = nonzero | flushed
     magnitude = jnp.where(flushed, wide.astype(jnp.float32), a)
-  # One reduction over x for every statistic (a variadic reduce): XLA:CPU
-  # compiles each reduction into a kernel of its own, and with a separate
-  # sum per count a Hugging Face BERT's telemetry step took 130 s to compile
-  # instead of 2 s; one pass also reads x once.
-  flags = [~finite, nonzero, ~finite | (a >= th.upper)]
+  # One reduction over x for every statistic (a variadic reduce), in the
+  # order they are returned (the element count too, as a sum of ones):
+  # XLA:CPU compiles each reduction, and each small operation after it, into
+  # a kernel of its own, and a telemetry step has two statistics vectors per
+  # probed value. One pass also reads x once.
+  flags = [~finite, nonzero, ~finite | (a >= th.upper), jnp.ones(a.shape, bool)]
   flags += [nonzero & (magnitude < t) for t in th.tinies]
   operands = (a, *(m.astype(jnp.int32) for m in flags))
   init = (jnp.float32(0), *(jnp.int32(0) for _ in flags))
   combine = lambda x, y: (jnp.maximum(x[0], y[0]),
                           *(u + v for u, v in zip(x[1:], y[1:])))
   reduced = jax.lax.reduce(operands, init, combine, tuple(range(a.ndim)))
-  counts = [c.astype(jnp.float32) for c in reduced[1:]]
-  out = [reduced[0], *counts[:3], jnp.float32(a.size), *counts[3:]]
-  return jnp.stack(out)
+  # The counts stacked as integers, then converted: converted one by one,
+  # each was a kernel of its own.
+  counts = jnp.stack(reduced[1:]).astype(jnp.float32)
+  return jnp.concatenate([reduced[0][None], counts])
 
 
 def probe(x: jax.Array, carrier: jax.Array, th: Thresholds,

@@ -227,8 +227,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
   """``jax.value_and_grad(fun, argnums, has_aux=True)`` with probes and fp8 sites.
 
   Returns ``g(gate, fp8_state, *args, **kwargs) -> ((value, aux), grads),
-  rows, amax``: ``rows`` the probes' ``(path, dtype, stats)`` in forward
-  order (``mode`` None: no probes), ``amax`` each fp8 site's absolute
+  rows, amax``: ``rows`` ``(measured, probes)``, the measured vector and
+  each probe's ``(path, dtype, its slots' indices)`` in forward order
+  (``mode`` None: no probes), ``amax`` each fp8 site's absolute
   maxima, ``[*its state's leading shape, 3]`` (a site with one state for a
   loop's iterations: their largest; a non-finite one, as for one tensor,
   makes the row's maximum non-finite), quantised with ``fp8_state``'s scales (``fp8`` None: no
@@ -255,7 +256,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
         probed, argnums=(0, *shifted), has_aux=True, allow_int=allow_int)(
             carrier, *args, **kwargs)
     both = jnp.where(forward_slots(plan)[0], measured, grads[0])
-    rows = [(p.path, p.dtype, a) for p, a in decode(both, plan) if p.recipe is None]
+    # Each probe's slots in `both`, read in one gather (`jmp_lite._stats`).
+    rows = (both, [(p.path, p.dtype, idx) for p, idx in decode(np.arange(plan.size), plan)
+                   if p.recipe is None])
     # A site with one state for a loop's iterations: its largest maxima.
     amax = {name: jnp.max(both[idx][..., :_fp8_sites.ROLES], axis=p.shared_axes())
             for name, p, idx in slots}
