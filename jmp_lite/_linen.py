@@ -91,11 +91,18 @@ class _LinenInterceptor:
   """
 
   def __init__(self, rules: Rules, root: tuple, record: Optional[dict] = None,
-               prefix: tuple = ()):
+               prefix: tuple = (), scope_root=None):
     self.rules = rules
     self.root = root
     self.prefix = prefix
     self.record = record
+    # The root scope of the wrapped model's variables, and the paths of the
+    # modules running now: a module applied on its own inside the model
+    # (GPT-2's tied head: ``self.lm_head.apply({"params": ...}, h)``) has a
+    # root scope of its own and the path (); it is named as its caller's
+    # child, not as the model (whose row it was merged into).
+    self.scope_root = scope_root
+    self.paths: list[str] = []
     self.stack: list[Optional[Policy]] = []
     # The clones methods ran on, alive as long as the call: a submodule a
     # method returns (``model._get_encoder_module()``, as Hugging Face's
@@ -127,7 +134,7 @@ class _LinenInterceptor:
       finally:
         self.stack.pop()
       return caller.cast_to_compute(out) if caller else out
-    path = path_str(self.prefix + tuple(module.path[len(self.root):]))
+    path = self._path(module)
     policy = self.rules.resolve(type(module), path)
     if self.record is not None:
       self.record.setdefault(path, policy)
@@ -153,10 +160,19 @@ class _LinenInterceptor:
     """
     if module.scope is None or isinstance(module, _LinenWrapper):
       return next_fun(*args, **kwargs)
-    path = path_str(self.prefix + tuple(module.path[len(self.root):]))
+    path = self._path(module)
     policy = self.rules.resolve(type(module), path)
     with _internals.scope_swapped(module, _PolicyScope(module.scope, policy, path)):
       return next_fun(*args, **kwargs)
+
+  def _path(self, module) -> str:
+    """The module's path from the wrapped model's root."""
+    if self.scope_root is None and not self.paths:
+      self.scope_root = module.scope.root  # the outermost module's
+    if (self.paths and module.name
+        and module.scope.root is not self.scope_root):
+      return "/".join(p for p in (self.paths[-1], module.name) if p)
+    return path_str(self.prefix + tuple(module.path[len(self.root):]))
 
   def _run_module(self, next_fun, args, kwargs, context, module, path, policy,
                   caller):
@@ -164,6 +180,7 @@ class _LinenInterceptor:
     args, kwargs = policy.cast_to_compute((args, kwargs))
     method = getattr(type(module), context.method_name, None)
     self.stack.append(policy)
+    self.paths.append(path)
     try:
       if method is None:  # a function passed as `method=`: cast only.
         out = next_fun(*args, **kwargs)
@@ -185,6 +202,7 @@ class _LinenInterceptor:
             self.outside.pop(id(clone), None)
     finally:
       self.stack.pop()
+      self.paths.pop()
     # In a telemetry trace: the module's output as it computed it. The
     # model's own output is marked after its cast to the output dtype, so that
     # the backward pass's cast of the loss's cotangent back to the compute
@@ -213,7 +231,8 @@ class _LinenWrapper(nn.Module):
     nn.share_scope(self, self.module)
 
   def _interceptor(self):
-    return _LinenInterceptor(self.rules, self.scope.path, prefix=self.prefix)
+    return _LinenInterceptor(self.rules, self.scope.path, prefix=self.prefix,
+                             scope_root=self.scope.root)
 
   def __call__(self, *args, **kwargs):
     with nn.intercept_methods(self._interceptor()):

@@ -722,3 +722,34 @@ def test_a_steps_statistics_come_back_as_one_array():
     assert {k: float(v) for k, v in inside.items()} == {
         k: float(m.forward_max) for k, m in stats.modules.items()}
     assert set(stats.modules["t0"].forward_underflow) == {"float32", "float8_e4m3fn"}
+
+
+def test_a_module_applied_on_its_own_inside_the_model_is_named_as_its_callers_child():
+  """GPT-2's tied head (transformers 4.49: ``self.lm_head.apply({"params":
+  {"kernel": wte.T}}, h)``) has a root scope of its own and the path ():
+  its row was merged into the model's own (maxima by max), its kernel's row
+  was plain ``kernel``, and a rule for ``lm_head`` did not reach it. Oracle:
+  NumPy on the two outputs, computed by hand."""
+
+  class TiedLM(nn.Module):
+    def setup(self):
+      self.wte = nn.Embed(10, 4)
+      self.lm_head = nn.Dense(10, use_bias=False)
+
+    def __call__(self, ids):
+      logits = self.lm_head.apply({"params": {"kernel": self.wte.embedding.T}}, self.wte(ids))
+      return 0.5 * logits
+
+  ids = jnp.arange(6).reshape(2, 3)
+  model = jmp_lite.flax.wrap(TiedLM(), "p=f32,c=f32,o=f32", rules={"lm_head": "p=f32,c=bf16,o=f32"})
+  params = model.init(jax.random.key(0), ids)["params"]
+  vg = jmp_lite.value_and_grad(lambda p: jnp.sum(model.apply({"params": p}, ids)),
+                               telemetry=jmp_lite.Telemetry())
+  stats = vg(params)[3]
+  assert stats.order == ("wte/embedding", "wte", "lm_head/kernel", "lm_head", "")
+  head = np.asarray(TiedLM().apply({"params": params}, ids)) * 2
+  head_bf16 = float(np.max(np.abs(np.asarray(jnp.asarray(head, jnp.bfloat16), np.float32))))
+  assert stats.modules["lm_head"].dtype == "bfloat16"  # the rule reached it
+  np.testing.assert_allclose(float(stats.modules["lm_head"].forward_max), head_bf16, rtol=1e-2)
+  np.testing.assert_allclose(float(stats.modules[""].forward_max), head_bf16 / 2, rtol=1e-2)
+  assert list(jmp_lite.flax.policy_map(model, ids)) == ["", "wte", "lm_head"]
