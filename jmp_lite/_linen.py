@@ -167,10 +167,10 @@ class _LinenInterceptor:
 
   def _path(self, module) -> str:
     """The module's path from the wrapped model's root."""
+    root = None if module.scope is None else module.scope.root
     if self.scope_root is None and not self.paths:
-      self.scope_root = module.scope.root  # the outermost module's
-    if (self.paths and module.name
-        and module.scope.root is not self.scope_root):
+      self.scope_root = root  # the outermost module's
+    if self.paths and module.name and root is not None and root is not self.scope_root:
       return "/".join(p for p in (self.paths[-1], module.name) if p)
     return path_str(self.prefix + tuple(module.path[len(self.root):]))
 
