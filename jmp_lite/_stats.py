@@ -66,8 +66,9 @@ def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
     for i, name in enumerate([dtype] + [d.name for d in telemetry.what_if]):
       names.setdefault(name, i)
     layout.append((key, dtype, tuple(shape[:-1]), tuple(names.items())))
-    narrow += [_dtypes.is_narrow_float(dtype)] * layers
-    tops += [float(jnp.finfo(dtype).max) if narrow[-1] else 1.0] * layers
+    is_narrow = _dtypes.is_narrow_float(dtype)
+    narrow += [is_narrow] * layers
+    tops += [float(jnp.finfo(dtype).max) if is_narrow else 1.0] * layers
     n += layers
   if n == 0:
     m = jnp.zeros((0, width), jnp.float32)
@@ -89,12 +90,12 @@ def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
   packed = jnp.stack([side(m[:, :half]), side(m[:, half:])], axis=1)
   # Over every cotangent held in a 16-bit or narrower float: what an
   # underflow-aware loss scale reads.
-  narrow = np.asarray(narrow, bool).reshape(-1)
+  narrow = np.asarray(narrow, bool)
   back = jnp.where(narrow[:, None], m[:, half:], 0.0)
   total = lambda column: jnp.sum(back[:, column])
   top = back[:, 0]
   headroom = jnp.min(jnp.where(narrow & (top > 0),
-                               np.asarray(tops, np.float32).reshape(-1) / jnp.where(top > 0, top, 1),
+                               np.asarray(tops, np.float32) / jnp.where(top > 0, top, 1),
                                jnp.inf), initial=jnp.inf)
   return telemetry_lib.PrecisionStats(
       sampled=jnp.asarray(sampled), rows=packed,
