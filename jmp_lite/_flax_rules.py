@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import functools
+import inspect
+import os
 import re
 import warnings
 from collections.abc import Mapping
 from typing import Optional
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -133,6 +138,67 @@ class Rules:
     if self.norm is not None and is_norm_class(module_type):
       return self.norm
     return self.policy
+
+
+class UnmatchedRuleWarning(UserWarning):
+  """A path rule given to `jmp_lite.flax.wrap` matches no module of the model."""
+
+
+def warn_unmatched(rules: Rules, paths) -> None:
+  """Warns for each path rule that matches none of ``paths``.
+
+  A misspelt rule (``"encoder/layer_0/attention"`` for
+  ``"encoder/layers_0/attention"``) otherwise leaves that module at the
+  model's policy with nothing said: the user believes it runs in float32.
+  ``paths``: the model's module paths, as the rules see them.
+  """
+  paths = sorted(set(paths))
+  for pattern, _, policy in rules.paths:
+    if any(pattern.fullmatch(p) for p in paths):
+      continue
+    close = difflib.get_close_matches(pattern.pattern, paths, n=3)
+    hint = f" Closest paths: {', '.join(map(repr, close))}." if close else ""
+    warnings.warn(
+        f"jmp_lite.flax.wrap: the path rule {pattern.pattern!r} (policy "
+        f"{policy}) matches no module of the model, so it applies to nothing. "
+        "Rules match a module's whole path relative to the wrapped model, its "
+        "parts joined by '/' (re.fullmatch); jmp_lite.flax.policy_map lists "
+        f"them.{hint}", UnmatchedRuleWarning, stacklevel=_user_stacklevel())
+
+
+# Frames of these libraries (and the standard library's wrappers they call
+# through) are skipped when a warning names its line: the rules are checked
+# deep inside Flax's apply, under JAX's tracing.
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep
+                   for m in (jax, flax)) + (os.path.dirname(__file__) + os.sep,
+                                            contextlib.__file__, functools.__file__)
+
+
+def _user_stacklevel() -> int:
+  """``stacklevel`` for a ``warnings.warn`` in the caller of this function
+  that names the first frame outside jmp_lite, Flax and JAX (the user's
+  ``init``/``apply``)."""
+  level, frame = 1, inspect.currentframe().f_back
+  while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def variable_paths(variables) -> set[str]:
+  """The module paths of a Linen model's variables (collection -> tree):
+  every nested mapping in a collection is a module's (``""`` the model's)."""
+  out = {""}
+
+  def walk(node, parts):
+    for key, value in node.items():
+      if isinstance(value, Mapping):
+        out.add("/".join(parts + (str(key),)))
+        walk(value, parts + (str(key),))
+
+  for tree in variables.values():
+    if isinstance(tree, Mapping):
+      walk(tree, ())
+  return out
 
 
 def to_policy(value, what: str) -> Policy:

@@ -11,6 +11,8 @@ scope whose ``param`` creates parameters in ``param_dtype`` and reads them in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -27,12 +29,32 @@ from jmp_lite._flax_rules import path_str
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import state_dtype_hint
 from jmp_lite._flax_rules import tap_and_cast
+from jmp_lite._flax_rules import variable_paths
+from jmp_lite._flax_rules import warn_unmatched
 from jmp_lite._flax_rules import warn_if_bridged
 from jmp_lite._jaxpr import internals as _internals
 from jmp_lite._jaxpr import module_scales as _module_scales
 from jmp_lite._jaxpr.passes import engine as _engine
 from jmp_lite._jaxpr import probes as _probes
 from jmp_lite.policy import Policy
+
+
+# Where `jmp_lite.flax.policy_map` collects the policies of Linen modules run
+# by a wrapper it does not call itself (one inside an NNX model's
+# `flax.nnx.bridge.ToNNX`): path -> policy, or None.
+_RECORD: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "jmp_lite_policy_record", default=None)
+
+
+@contextlib.contextmanager
+def recording(record: dict):
+  """Records into ``record`` the policy of every Linen module run by a
+  wrapper in the ``with`` block."""
+  token = _RECORD.set(record)
+  try:
+    yield record
+  finally:
+    _RECORD.reset(token)
 
 
 class _PolicyScope(Scope):
@@ -103,6 +125,7 @@ class _LinenInterceptor:
     # child, not as the model (whose row it was merged into).
     self.scope_root = scope_root
     self.paths: list[str] = []
+    self.seen: set[str] = set()  # every module path called under it
     self.stack: list[Optional[Policy]] = []
     # The clones methods ran on, alive as long as the call: a submodule a
     # method returns (``model._get_encoder_module()``, as Hugging Face's
@@ -135,6 +158,7 @@ class _LinenInterceptor:
         self.stack.pop()
       return caller.cast_to_compute(out) if caller else out
     path = self._path(module)
+    self.seen.add(path)
     policy = self.rules.resolve(type(module), path)
     if self.record is not None:
       self.record.setdefault(path, policy)
@@ -231,21 +255,36 @@ class _LinenWrapper(nn.Module):
     nn.share_scope(self, self.module)
 
   def _interceptor(self):
-    return _LinenInterceptor(self.rules, self.scope.path, prefix=self.prefix,
-                             scope_root=self.scope.root)
+    return _LinenInterceptor(self.rules, self.scope.path, _RECORD.get(),
+                             prefix=self.prefix, scope_root=self.scope.root)
 
   def __call__(self, *args, **kwargs):
-    with nn.intercept_methods(self._interceptor()):
-      return self.module(*args, **kwargs)
+    interceptor = self._interceptor()
+    with nn.intercept_methods(interceptor):
+      out = self.module(*args, **kwargs)
+    self._check_rules(interceptor)
+    return out
 
   def run_method(self, method, *args, **kwargs):
     """The model's ``method`` (a name, or a function of the model) under the
     rules: what ``apply(..., method=method)`` runs. A module method, so that
     ``setup`` has shared the model's scope first."""
-    with nn.intercept_methods(self._interceptor()):
+    interceptor = self._interceptor()
+    with nn.intercept_methods(interceptor):
       if isinstance(method, str):
-        return getattr(self.module, method)(*args, **kwargs)
-      return method(self.module, *args, **kwargs)
+        out = getattr(self.module, method)(*args, **kwargs)
+      else:
+        out = method(self.module, *args, **kwargs)
+    self._check_rules(interceptor)
+    return out
+
+  def _check_rules(self, interceptor) -> None:
+    """Warns for path rules that match no module: none called by this call
+    and none holding variables (a method that runs part of the model sees
+    the rest in its variables). Inside an NNX model (``prefix``), the NNX
+    wrapper, which sees both halves, checks."""
+    if self.rules.paths and not self.prefix:
+      warn_unmatched(self.rules, interceptor.seen | variable_paths(self.variables))
 
   @nn.nowrap
   def init_with_output(self, rngs, *args, **kwargs):

@@ -12,7 +12,8 @@ stored parameters, so they come back in ``param_dtype``.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -27,10 +28,12 @@ from jmp_lite._flax_rules import path_str
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import state_dtype_hint
 from jmp_lite._flax_rules import tap_and_cast
+from jmp_lite._flax_rules import warn_unmatched
 from jmp_lite._jaxpr import internals as _internals
 from jmp_lite._jaxpr.passes import engine as _engine
 from jmp_lite._jaxpr import probes as _probes
 from jmp_lite._linen import _LinenWrapper
+from jmp_lite._linen import recording
 from jmp_lite.policy import Policy
 
 @functools.cache
@@ -96,9 +99,33 @@ class NnxWrapper(nnx.Module):
               variable.get_value()))
     self.module = module
     self.rules = rules
+    paths = _module_paths(module)
+    if rules.paths and paths is not None:
+      warn_unmatched(rules, paths)
 
-  def _policies(self, module) -> dict[tuple, Policy]:
-    return _policies(self.rules, module)
+  def policy_map(self, *args, **kwargs) -> dict[str, Policy]:
+    """`jmp_lite.flax.policy_map` of this model: its modules' policies, and,
+    given inputs, those of the Linen modules its `flax.nnx.bridge.ToNNX`
+    hold (known only by running them: traced with `jax.eval_shape`)."""
+    out = {path_str(path): policy
+           for path, policy in _policies(self.rules, self.module).items()}
+    bridges = {path_str(path) for path, node in nnx.iter_graph(self.module)
+               if isinstance(node, bridge.ToNNX)}
+    if not bridges or not (args or kwargs):
+      return out
+    graphdef, state = nnx.split(self.module)
+    with recording({}) as record:
+      jax.eval_shape(lambda s: _nnx_run_as_written(
+          self.rules, graphdef, s, *args, **kwargs)[0], state)
+    merged = {}
+    for path, policy in out.items():  # each bridge's Linen modules in its place
+      if path in bridges:
+        inside = {k: v for k, v in record.items()
+                  if k == path or k.startswith(path + "/")}
+        merged.update(inside or {path: policy})
+      else:
+        merged[path] = policy
+    return merged
 
   def __call__(self, *args, fp8=None, **kwargs):
     """The model's call under the rules. ``fp8``: an `jmp_lite.fp8.Fp8State`
@@ -151,6 +178,28 @@ def _by_variable_type(state) -> dict[str, dict[str, Any]]:
     out.setdefault(type(variable).__name__, {})["/".join(map(str, path))] = (
         variable.get_value())
   return out
+
+
+def _module_paths(module) -> Optional[set[str]]:
+  """The paths rules can match in an NNX model: its modules', and those of
+  the Linen modules with variables inside its `flax.nnx.bridge.ToNNX`
+  (nested mappings there). None when a ``ToNNX`` holds no variables yet
+  (not initialised: its modules are unknown)."""
+  graph = [(tuple(path), node) for path, node in nnx.iter_graph(module)]
+  bridges = [path for path, node in graph if isinstance(node, bridge.ToNNX)]
+  paths = {path_str(path) for path, node in graph if isinstance(node, nnx.Module)}
+  for b in bridges:
+    # The bridge's own attributes (``to_nnx__rngs``, NNX's ``_pytree__``
+    # bookkeeping) are not the Linen model's.
+    inside = [(path, node) for path, node in graph
+              if len(path) > len(b) and path[:len(b)] == b and not any(
+                  str(part).startswith(("to_nnx__", "_pytree__"))
+                  for part in path[len(b):])]
+    if not any(isinstance(node, nnx.Variable) for _, node in inside):
+      return None
+    paths.update(path_str(path) for path, node in inside
+                 if isinstance(node, Mapping))
+  return paths
 
 
 def _policies(rules: Rules, module) -> dict[tuple, Policy]:

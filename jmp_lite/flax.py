@@ -70,7 +70,11 @@ The most specific matching rule wins:
 
 User rules are added to the defaults: a user rule for ``nn.LayerNorm``
 replaces that default, and ``default_rules=False`` drops them all. Modules no
-rule matches use ``policy``. `policy_map` lists the outcome.
+rule matches use ``policy``. `policy_map` lists the outcome. A path rule
+that matches no module of the model (a misspelt path) is reported with an
+`UnmatchedRuleWarning` naming the closest paths: for Linen when the model
+is traced (``init``/``apply``: the modules it calls and those holding
+variables), for NNX by `wrap`.
 """
 
 from __future__ import annotations
@@ -85,8 +89,8 @@ from flax import nnx
 
 from jmp_lite import _struct
 from jmp_lite._flax_rules import default_rules
-from jmp_lite._flax_rules import path_str
 from jmp_lite._flax_rules import Rules
+from jmp_lite._flax_rules import UnmatchedRuleWarning
 from jmp_lite._linen import _LinenInterceptor
 from jmp_lite._linen import _LinenWrapper
 from jmp_lite._nnx import NnxWrapper
@@ -95,7 +99,7 @@ from jmp_lite.policy import Policy
 # Flax is loaded: jmp_lite's states serialise with flax.serialization too.
 _struct.register_serialization()
 
-__all__ = ("wrap", "policy_map", "default_rules")
+__all__ = ("wrap", "policy_map", "default_rules", "UnmatchedRuleWarning")
 
 # Public API --------------------------------------------------------------------
 
@@ -171,11 +175,12 @@ def policy_map(wrapped, *args, rngs=None, **kwargs) -> dict[str, Policy]:
 
   Args:
     wrapped: a model returned by `wrap`.
-    *args: for Linen, example inputs (only shapes and dtypes are used: the
-      model is traced with `jax.eval_shape`); ignored for NNX, whose modules
-      exist already.
+    *args: example inputs (only shapes and dtypes are used: the model is
+      traced with `jax.eval_shape`). Needed for Linen; for NNX, whose
+      modules exist already, only to list the Linen modules held through
+      `flax.nnx.bridge.ToNNX` (without inputs, such a model is one row).
     rngs: for Linen, the ``init`` RNGs (default: ``params`` and ``dropout``).
-    **kwargs: for Linen, keyword arguments of the model's ``__call__``.
+    **kwargs: keyword arguments of the model's ``__call__``, as ``*args``.
 
   Returns:
     A dict from module path (``""`` for the model itself) to `Policy`, in
@@ -194,9 +199,8 @@ def policy_map(wrapped, *args, rngs=None, **kwargs) -> dict[str, Policy]:
     {'': 'p=f32,c=bf16,o=f32', 'LayerNorm_0': 'p=f32,c=f32,o=f32', 'Dense_0': 'p=f32,c=bf16,o=f32'}
   """
   if isinstance(wrapped, NnxWrapper):
-    del args, rngs, kwargs
-    return {path_str(path): policy
-            for path, policy in wrapped._policies(wrapped.module).items()}  # pylint: disable=protected-access
+    del rngs
+    return wrapped.policy_map(*args, **kwargs)
   if not isinstance(wrapped, _LinenWrapper):
     raise TypeError(
         f"policy_map expects a model returned by jmp_lite.flax.wrap, got "

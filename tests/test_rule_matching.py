@@ -1,0 +1,139 @@
+"""Path rules that match nothing are reported; `policy_map` sees through
+`flax.nnx.bridge.ToNNX`.
+
+Oracles: the module paths Flax itself gives (the variables' layout, NNX's
+graph), and `policy_map` of the same Linen model wrapped on its own.
+"""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from flax.nnx import bridge
+
+import jmp_lite.flax as jflax
+
+POLICY = "p=f32,c=bf16,o=f32"
+
+
+class Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dropout(0.1, deterministic=True)(x)
+    return nn.Dense(4, name="attention")(x)
+
+
+class Model(nn.Module):
+
+  def setup(self):
+    self.layers_0 = Block()
+    self.head = nn.Dense(2)
+
+  def __call__(self, x):
+    return self.head(self.layers_0(x))
+
+  def encode(self, x):
+    return self.layers_0(x)
+
+
+def _unmatched(record):
+  return [w for w in record if issubclass(w.category, jflax.UnmatchedRuleWarning)]
+
+
+def test_misspelt_linen_path_rule_warns_with_closest_path():
+  model = jflax.wrap(Model(), POLICY, rules={"layer_0/attention": "f32"})
+  with pytest.warns(jflax.UnmatchedRuleWarning, match=r"'layer_0/attention'.*Closest paths: 'layers_0/attention'"):
+    model.init(jax.random.key(0), jnp.ones((1, 3)))
+
+
+def test_warning_names_the_callers_line():
+  model = jflax.wrap(Model(), POLICY, rules={"nowhere": "f32"})
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    model.init(jax.random.key(0), jnp.ones((1, 3)))
+  (warning,) = _unmatched(record)
+  assert warning.filename == __file__
+
+
+def test_rules_that_match_do_not_warn():
+  # A module with no variables (Dropout) matches by being called; one that a
+  # method does not call (the head, under `encode`) by its variables.
+  rules = {"layers_0/attention": "f32", "layers_0/Dropout_0": "f32",
+           "head": "f32", "layers_.*": "f32"}
+  model = jflax.wrap(Model(), POLICY, rules=rules)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jflax.UnmatchedRuleWarning)
+    variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+    model.apply(variables, jnp.ones((1, 3)), method="encode")
+  assert set(jflax.policy_map(model, jnp.ones((1, 3)))) >= {
+      "layers_0/attention", "layers_0/Dropout_0", "head"}
+
+
+def test_apply_of_a_part_still_reports_a_misspelt_rule():
+  model = jflax.wrap(Model(), POLICY, rules={"hed": "f32"})
+  with pytest.warns(jflax.UnmatchedRuleWarning):
+    variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+  with pytest.warns(jflax.UnmatchedRuleWarning, match="Closest paths: 'head'"):
+    model.apply(variables, jnp.ones((1, 3)), method="encode")
+
+
+class Encoder(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4, name="inner")(x)
+    return nn.Dense(3)(nn.LayerNorm()(x))
+
+
+class Hybrid(nnx.Module):
+
+  def __init__(self, rngs, init=True):
+    self.enc = bridge.ToNNX(Encoder(), rngs=rngs)
+    if init:
+      bridge.lazy_init(self.enc, jnp.ones((1, 5)))
+    self.head = nnx.Linear(3, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.enc(x))
+
+
+def test_misspelt_nnx_path_rule_warns_at_wrap():
+  with pytest.warns(jflax.UnmatchedRuleWarning, match="Closest paths: 'head'"):
+    jflax.wrap(Hybrid(nnx.Rngs(0)), POLICY, rules={"hed": "f32"})
+
+
+def test_nnx_rules_into_linen_modules_of_a_bridge_match():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jflax.UnmatchedRuleWarning)
+    jflax.wrap(Hybrid(nnx.Rngs(0)), POLICY,
+               rules={"enc/inner": "f32", "enc/LayerNorm_0": "f32", "head": "f32"})
+  with pytest.warns(jflax.UnmatchedRuleWarning, match="'enc/iner'"):
+    jflax.wrap(Hybrid(nnx.Rngs(0)), POLICY, rules={"enc/iner": "f32"})
+
+
+def test_uninitialised_bridge_is_not_judged():
+  # Its Linen modules are unknown until it runs: no warning, right or wrong.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jflax.UnmatchedRuleWarning)
+    jflax.wrap(Hybrid(nnx.Rngs(0), init=False), POLICY, rules={"enc/zzz": "f32"})
+
+
+def test_nnx_policy_map_lists_linen_modules_inside_a_bridge():
+  x = jnp.ones((1, 5))
+  rules = {"enc/inner": "f32"}
+  wrapped = jflax.wrap(Hybrid(nnx.Rngs(0)), POLICY, rules=rules)
+  listed = jflax.policy_map(wrapped, x)
+  # The oracle: the Linen model wrapped on its own, its rule without the
+  # bridge's path.
+  alone = jflax.policy_map(jflax.wrap(Encoder(), POLICY, rules={"inner": "f32"}), x)
+  assert {k: v for k, v in listed.items() if k.startswith("enc/")} == {
+      f"enc/{k}": v for k, v in alone.items() if k}
+  assert list(listed) == ["enc", "enc/inner", "enc/LayerNorm_0", "enc/Dense_0",
+                          "head", ""]
+  assert str(listed["enc/LayerNorm_0"]) == "p=f32,c=f32,o=f32"  # default rule
+  # Without inputs, the bridge is one row, as before.
+  assert list(jflax.policy_map(wrapped)) == ["enc", "head", ""]
