@@ -193,8 +193,10 @@ def train(name, data, args):
     return state.minimize(loss_fn, x, y, telemetry=telemetry)
 
   @jax.jit
-  def accuracy(params, x, y):
-    return jnp.mean(jnp.argmax(model.apply({"params": params}, x), -1) == y)
+  def accuracy(params, fp8, x, y):
+    # An fp8 model is evaluated with the scales it trained with (without
+    # them its matmuls would run in bf16, and wrap would warn).
+    return jnp.mean(jnp.argmax(model.apply({"params": params}, x, fp8=fp8), -1) == y)
 
   rng = np.random.default_rng(args.seed)
   losses, scales = [], []
@@ -219,7 +221,7 @@ def train(name, data, args):
   return {
       "policy": str(policy),
       "calibrated_loss_scale": None if calibrated is None else calibrated.loss_scale,
-      "test_accuracy": float(accuracy(state.params, x_test, y_test)),
+      "test_accuracy": float(accuracy(state.params, state.loss_scale_state.fp8, x_test, y_test)),
       "final_train_loss": float(np.mean(losses[-20:])),
       "skipped_steps": int(ls_state.skipped_steps),
       "final_loss_scale": float(ls_state.loss_scale.loss_scale),

@@ -226,9 +226,28 @@ def needs_rewrite(rules: Rules) -> bool:
 
 def has_fp8(rules: Rules) -> bool:
   """Whether any policy of ``rules`` runs matmuls in fp8."""
+  return bool(_fp8_recipes(rules))
+
+
+def _fp8_recipes(rules: Rules) -> list[str]:
   policies = [rules.policy, *(p for _, p in rules.classes),
               *(p for _, _, p in rules.paths)]
-  return any(p.fp8 is not None for p in policies)
+  return sorted({p.fp8 for p in policies if p.fp8 is not None})
+
+
+def warn_if_fp8_unplaced(rules: Rules) -> None:
+  """Warns that a model whose rules give modules fp8 matmuls is called
+  where no fp8 state is: its matmuls then run at the compute dtype."""
+  if has_fp8(rules) and not _fp8_sites.placed():
+    warnings.warn(
+        f"jmp_lite.flax.wrap: the rules give modules fp8 matmuls "
+        f"(fp8={', '.join(_fp8_recipes(rules))}), but the model is called "
+        "without an fp8 state, so they run in their policy's compute dtype "
+        "(bf16 for 'p=f32,c=bf16,fp8=hybrid'). Train with "
+        "jmp_lite.TrainState.create(..., fp8=jmp_lite.fp8.init(...)) or "
+        "jmp_lite.value_and_grad(...)(..., fp8=state), and infer with "
+        "apply(..., fp8=state) (Linen) or model(..., fp8=state) (NNX).",
+        UserWarning, stacklevel=_user_stacklevel())
 
 
 def fp8_scope(rules: Rules, policy: Policy, path: str):

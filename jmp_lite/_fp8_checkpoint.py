@@ -47,6 +47,14 @@ def _leaf(value, like, where):
   return jnp.asarray(value, like.dtype)
 
 
+def _entry(node, key, where):
+  """``node[key]``, or a ValueError naming ``where``."""
+  try:
+    return node[key]
+  except (KeyError, IndexError, TypeError):
+    raise ValueError(f"the checkpoint has nothing at {where}") from None
+
+
 def _relay(history, length: int) -> np.ndarray:
   """A history re-laid to ``length``: newest first, then from the end backwards."""
   history = np.asarray(history, np.float32)
@@ -70,19 +78,34 @@ def _migrate(raw, target: Fp8State, where: str) -> Fp8State:
         f"target's {sorted(target.sites)}")
   sites = {}
   for name, meta in target.sites.items():
-    saved = raw["sites"][name]
+    at = f"{where}.sites[{name!r}]"
+    saved = _entry(raw["sites"], name, at)
     parts = {}
     for role in ("lhs", "rhs", "grad"):
       like = getattr(meta, role)
-      history = np.asarray(saved[role]["amax_history"])
+      tensor = _entry(saved, role, f"{at}.{role}")
+      history = np.asarray(_entry(tensor, "amax_history", f"{at}.{role}.amax_history"))
       if history.shape[:-1] != like.amax_history.shape[:-1]:
         raise ValueError(
-            f"{where}.sites[{name!r}].{role}: saved for layers {history.shape[:-1]}, "
+            f"{at}.{role}: saved for layers {history.shape[:-1]}, "
             f"the target has {like.amax_history.shape[:-1]}")
-      parts[role] = _struct.replace_fields(
-          like, amax_history=jnp.asarray(_relay(history, like.amax_history.shape[-1])),
-          scale=_leaf(saved[role]["scale"], like.scale, f"{where}.{name}.{role}.scale"))
+      length = like.amax_history.shape[-1]
+      scale = _leaf(_entry(tensor, "scale", f"{at}.{role}.scale"), like.scale,
+                    f"{at}.{role}.scale")
+      part = _struct.replace_fields(like, amax_history=jnp.asarray(_relay(history, length)),
+                                    scale=scale)
+      if history.shape[-1] != length:
+        # The saved scale came from entries a shorter history no longer
+        # holds: the one the kept entries ask for (`DelayedScaling.next_scale`).
+        part = _struct.replace_fields(part, scale=part.next_scale())
+      parts[role] = part
     sites[name] = MatmulMeta(**parts, observed=_leaf(
-        saved["observed"], meta.observed, f"{where}.{name}.observed"))
-  return _struct.replace_fields(target, sites=sites,
+        _entry(saved, "observed", f"{at}.observed"), meta.observed, f"{at}.observed"))
+  # Version 1 did not record the loss scale its gradient histories were
+  # measured under: 0, "take the next step's as it is" (what version 1 did).
+  grad_loss_scale = (_leaf(_entry(raw, "grad_loss_scale", f"{where}.grad_loss_scale"),
+                           target.grad_loss_scale, f"{where}.grad_loss_scale")
+                     if version >= 2 else
+                     jnp.zeros((), jnp.float32))
+  return _struct.replace_fields(target, sites=sites, grad_loss_scale=grad_loss_scale,
                                 version=jnp.asarray(SCHEMA_VERSION, jnp.int32))

@@ -178,6 +178,19 @@ def qdq(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
   return dequantize(quantize(x, dtype, scale), scale, x.dtype)
 
 
+def _max_bits(history: jax.Array) -> jax.Array:
+  """The largest entry of each history (last axis), read from the bits.
+
+  Entries are maxima of absolute values (>= 0, and +inf at most), whose
+  float32 order is their bit patterns' integer order. A float ``max``
+  reduction flushes a subnormal to 0 on XLA:CPU, so a history of 1e-40
+  gave the scale it keeps for "nothing seen" while a length-1 history
+  (no reduction) gave 2**-126.
+  """
+  bits = jax.lax.bitcast_convert_type(history.astype(jnp.float32), jnp.int32)
+  return jax.lax.bitcast_convert_type(jnp.max(bits, axis=-1), jnp.float32)
+
+
 def _next_scales(metas: list) -> list:
   """`DelayedScaling.next_scale` of each of ``metas``, in one computation.
 
@@ -186,7 +199,7 @@ def _next_scales(metas: list) -> list:
   per tensor, so that their cost in the compiled program does not grow with
   the number of fp8 matmuls.
   """
-  chosen = [(jnp.max(m.amax_history, axis=-1) if m.algorithm == "max"
+  chosen = [(_max_bits(m.amax_history) if m.algorithm == "max"
              else m.amax_history[..., 0]) for m in metas]
   amax = jnp.concatenate([a.ravel() for a in chosen])
   scale = jnp.concatenate([m.scale.astype(jnp.float32).ravel() for m in metas])
@@ -243,11 +256,8 @@ class DelayedScaling:
       ValueError: for an unknown format or algorithm, a history length < 1,
         or a negative margin.
     """
-    if isinstance(history_length, bool) or not isinstance(history_length, int) \
-        or history_length < 1:
-      raise ValueError(f"history_length must be an int >= 1, got {history_length!r}")
-    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
-      raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+    history_length = _count(history_length, "history_length", 1)
+    margin = _count(margin, "margin", 0)
     if algorithm not in _ALGORITHMS:
       raise ValueError(f"algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
     return cls(amax_history=jnp.zeros((history_length,), jnp.float32),
@@ -271,13 +281,16 @@ class DelayedScaling:
     """``x`` quantised with the delayed scale and read back, and the new state.
 
     The scale comes from the history of earlier steps; this step's amax
-    joins the history for the next ones. ``compute_dtype`` is accepted for
+    joins the history for the next ones (a non-finite one as 0, as `update`
+    records it: Flax's ``quantize_dequantize_update`` records it and keeps
+    its scale while it stays in the history). ``compute_dtype`` is accepted for
     Flax's signature: quantisation is float32 arithmetic (`quantize`).
     """
     scale = self.next_scale()
     _check_compute_dtype(compute_dtype)
     y = qdq(x, self.dtype, scale)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = jnp.where(jnp.isfinite(amax), amax, 0.0)  # as `update` records it
     return y, _struct.replace_fields(self, amax_history=_roll_in(self.amax_history, amax),
                                      scale=scale)
 
@@ -292,6 +305,15 @@ class DelayedScaling:
     long.
     """
     return _update_all([self], [amax])[0]
+
+
+def _count(value, name: str, least: int) -> int:
+  """``value`` as a Python int (NumPy integers too), at least ``least``."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+      or value < least:
+    raise ValueError(f"{name} must be an int >= {least}, got {value!r} "
+                     f"({type(value).__name__})")
+  return int(value)
 
 
 def _update_all(metas: list, amaxes: list) -> list:

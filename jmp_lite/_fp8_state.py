@@ -21,7 +21,7 @@ from jmp_lite import _struct
 
 # The layout of `Fp8State` in a checkpoint; `jmp_lite.fp8.restore` migrates
 # older ones.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `Fp8State.grad_loss_scale`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,12 @@ class Fp8State:
     sites: site name -> `MatmulMeta`, in the order the forward pass meets them.
     version: int32 scalar, the schema version. A leaf, so that checkpoints
       record it for `restore`.
+    grad_loss_scale: float32 scalar, the loss scale the gradient histories
+      and scales were measured under (cotangents carry it); 0 until a step
+      has run. A step under another loss scale first multiplies them by the
+      ratio (`follow_loss_scale`), so a state stays right whoever changes
+      the loss scale: `jmp_lite.TrainState`, or the user between calls of
+      `jmp_lite.value_and_grad`.
     select, recipe: which matmuls are fp8 and, with ``select``, their
       formats (static; see `init`).
     scaling: ``"delayed"``, ``"current"`` or ``"block"`` (static; see `init`).
@@ -114,6 +120,8 @@ class Fp8State:
   sites: dict
   version: jax.Array = dataclasses.field(
       default_factory=lambda: jnp.asarray(SCHEMA_VERSION, jnp.int32))
+  grad_loss_scale: jax.Array = dataclasses.field(
+      default_factory=lambda: jnp.zeros((), jnp.float32))
   select: Optional[str] = _struct.static_field(default=None)
   recipe: str = _struct.static_field(default="hybrid")
   scaling: str = _struct.static_field(default="delayed")
@@ -138,8 +146,28 @@ class Fp8State:
         self, sites=dict(zip(names, _commit_all([self.sites[k] for k in names]))))
 
   def rescale_gradients(self, factor: jax.Array) -> "Fp8State":
+    """Every gradient history and scale (and `grad_loss_scale`) times ``factor``."""
+    factor = jnp.asarray(factor, jnp.float32)
     return _struct.replace_fields(
-        self, sites={k: m.rescale_gradient(factor) for k, m in self.sites.items()})
+        self, sites={k: m.rescale_gradient(factor) for k, m in self.sites.items()},
+        grad_loss_scale=self.grad_loss_scale * factor)
+
+  def follow_loss_scale(self, loss_scale: jax.Array) -> "Fp8State":
+    """The state in units of ``loss_scale``: gradient histories and scales
+    times ``loss_scale / grad_loss_scale`` (a state no step has measured
+    yet takes ``loss_scale`` as it is).
+
+    Cotangents carry the loss scale: when it changes by a factor, the next
+    step's gradient maxima do too, and a history of the old ones would give
+    a scale that factor off for up to ``history_length`` steps (saturating
+    e5m2 after a growth, too coarse after a backoff).
+    """
+    loss_scale = jnp.asarray(loss_scale, jnp.float32)
+    factor = jnp.where(self.grad_loss_scale > 0,
+                       loss_scale / jnp.where(self.grad_loss_scale > 0,
+                                              self.grad_loss_scale, 1.0), 1.0)
+    return _struct.replace_fields(self.rescale_gradients(factor),
+                                  grad_loss_scale=loss_scale)
 
 
 def _commit_all(metas: list) -> list:

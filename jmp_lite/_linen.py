@@ -30,6 +30,7 @@ from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import state_dtype_hint
 from jmp_lite._flax_rules import tap_and_cast
 from jmp_lite._flax_rules import variable_paths
+from jmp_lite._flax_rules import warn_if_fp8_unplaced
 from jmp_lite._flax_rules import warn_unmatched
 from jmp_lite._flax_rules import warn_if_bridged
 from jmp_lite._jaxpr import internals as _internals
@@ -300,6 +301,7 @@ class _LinenWrapper(nn.Module):
         from jmp_lite._jaxpr.passes import instrument as _instrument  # pylint: disable=g-import-not-at-top
         return _instrument.forward(lambda v, *a, **k: self._run("apply", v, *a, **k),
                                    fp8, variables, *args, **kwargs)
+      warn_if_fp8_unplaced(self.rules)
       return self._run("apply", variables, *args, **kwargs)
     except TypeError as e:
       hint = state_dtype_hint(e, variables, self.rules.policy)

@@ -28,6 +28,7 @@ from jmp_lite._flax_rules import path_str
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import state_dtype_hint
 from jmp_lite._flax_rules import tap_and_cast
+from jmp_lite._flax_rules import warn_if_fp8_unplaced
 from jmp_lite._flax_rules import warn_unmatched
 from jmp_lite._jaxpr import internals as _internals
 from jmp_lite._jaxpr.passes import engine as _engine
@@ -144,6 +145,7 @@ class NnxWrapper(nnx.Module):
       out, updates = _instrument.forward(run, fp8, self.rules, graphdef, state,
                                          *args, **kwargs)
     else:
+      warn_if_fp8_unplaced(self.rules)
       try:
         out, updates = run(self.rules, graphdef, state, *args, **kwargs)
       except TypeError as e:

@@ -27,6 +27,7 @@ a transcription of TE's (``tests/test_fp8_matmul.py``).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from jmp_lite import _fp8_checkpoint
@@ -116,6 +117,18 @@ def init(fun: Any, *args: Any, argnums: Any = 0, has_aux: bool = False,
     raise ValueError(f"scaling must be one of {_SCALINGS}, got {scaling!r}")
   if select is not None and not isinstance(select, str):
     raise TypeError(f"select must be None or a regular expression string, got {select!r}")
+  if select is not None:
+    try:
+      re.compile(select)
+    except re.error as e:
+      raise ValueError(f"select={select!r} is not a valid regular expression: {e}") from None
+  if scaling != "delayed" and (margin != 0 or algorithm != "max"):
+    # Refused rather than stored and ignored: these scalings read no history.
+    raise ValueError(
+        f"margin={margin!r} and algorithm={algorithm!r} choose a delayed scale "
+        f"from the history; scaling={scaling!r} quantises with each step's own "
+        "maxima (Transformer Engine's Float8CurrentScaling and MXFP8BlockScaling "
+        "take neither). Leave them at 0 and 'max', or use scaling='delayed'.")
   DelayedScaling.create(history_length=history_length, margin=margin,
                         algorithm=algorithm)  # checks the options
   found = _scaled_grad.fp8_sites(
@@ -201,7 +214,8 @@ def restore(raw: Any, target: Any) -> Any:
     ...                "scale": old.sites["mlp"].rhs.scale},
     ...        "grad": {"amax_history": old.sites["mlp"].grad.amax_history,
     ...                 "scale": old.sites["mlp"].grad.scale},
-    ...        "observed": old.sites["mlp"].observed}}, "version": old.version}
+    ...        "observed": old.sites["mlp"].observed}}, "version": old.version,
+    ...        "grad_loss_scale": old.grad_loss_scale}
     >>> new = fp8.Fp8State({"mlp": fp8.MatmulMeta.create(history_length=2)})
     >>> fp8.restore(raw, new).sites["mlp"].grad.amax_history.tolist()
     [3.0, 0.0]

@@ -117,12 +117,12 @@ def _observe(fp8, amax, axis_name):
 
 
 def _fp8_step_end(fp8, old_scale, new_scale):
-  """The step's maxima recorded, and gradient histories moved with the loss scale."""
+  """The step's maxima (measured under ``old_scale``) recorded, and the
+  gradient histories moved to ``new_scale``."""
   if fp8 is None:
     return None
-  factor = (jnp.asarray(new_scale.loss_scale, jnp.float32)
-            / jnp.asarray(old_scale.loss_scale, jnp.float32))
-  return fp8.commit().rescale_gradients(factor)
+  return (fp8.follow_loss_scale(old_scale.loss_scale).commit()
+          .follow_loss_scale(new_scale.loss_scale))
 
 
 def _no_op_updates(update_fn) -> Any:

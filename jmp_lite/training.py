@@ -102,9 +102,10 @@ def value_and_grad(
   The returned function also takes a keyword-only ``fp8``, a
   `jmp_lite.fp8.Fp8State` (from `jmp_lite.fp8.init` on ``fun``): its matmuls
   then run in fp8 with its scales, and the state with this pass's maxima
-  recorded is returned last. It is not touched by ``loss_scale``; after
-  changing the loss scale by a factor, call its ``rescale_gradients(factor)``
-  (`jmp_lite.TrainState` does both).
+  recorded is returned last. Its gradient histories follow ``loss_scale``:
+  a call under another loss scale than the state's last first multiplies
+  them by the ratio (`jmp_lite.fp8.Fp8State.follow_loss_scale`), so
+  ``loss_scale.adjust`` between calls needs nothing more.
 
   With a `jmp_lite.ModuleLossScale` as ``loss_scale`` (a wrapped Linen model
   inside ``fun``), each scaled module's backward pass runs at its own scale
@@ -165,6 +166,7 @@ def value_and_grad(
     elif fp8 is not None:
       vg = _scaled_grad.scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry, axis_name,
                                   _selection(fp8))
+      fp8 = fp8.follow_loss_scale(loss_scale.loss_scale)
       value, grads, stats, amax = vg(step, fp8, loss_scale, *args, **kwargs)
       fp8 = fp8.observe(amax).commit()
     elif telemetry is not None:
@@ -383,6 +385,8 @@ class TrainState(flax.struct.PyTreeNode):
       # compute dtype; reduce_gradients averages them in reduce_dtype.
       params = distributed.mark_varying(params, self.axis_name)
     fp8 = self.loss_scale_state.fp8
+    if fp8 is not None:  # in step with the loss scale whoever set it
+      fp8 = fp8.follow_loss_scale(self.loss_scale.loss_scale)
     # Integer leaves (step counters, masks kept with the parameters) get
     # float0 gradients and zero updates, as the guard gives them.
     vg = _scaled_grad.scaled_value_and_grad(loss_fn, 0, has_aux, self.policy, telemetry,

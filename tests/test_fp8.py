@@ -77,6 +77,10 @@ def test_delayed_scaling_matches_flax_over_a_sequence(name, dtype):
     with jax.default_device(cpu):
       want, scale, history = fp8_ops.quantize_dequantize_update(
           jax.device_put(x, cpu), dtype, scale, history, jnp.float32)
+      # Ours records a non-finite maximum as 0, "nothing seen", where Flax
+      # records it and then keeps its scale for the history's length (its
+      # maximum is inf); Flax's history with that one entry changed is ours.
+      history = jnp.where(jnp.isfinite(history), history, 0.0)
     finite = np.isfinite(np.asarray(x))
     np.testing.assert_array_equal(np.asarray(y)[finite], np.asarray(want)[finite])
     # Flax saturates an inf to the format's max; ours stays non-finite, so
@@ -94,8 +98,10 @@ def _numpy_reference(xs, *, top, length, margin, algorithm):
     amax = history.max() if algorithm == "max" else history[0]
     if amax > 0 and np.isfinite(amax):
       scale = np.float32(1.0 / (np.float32(top) / amax / np.float32(2.0 ** margin)))
-    history = np.concatenate([[np.abs(x).max()], history[2:], history[:1]]) \
-        if length > 1 else np.array([np.abs(x).max()], np.float32)
+    seen = np.abs(x).max()
+    seen = seen if np.isfinite(seen) else np.float32(0.0)  # "nothing seen"
+    history = np.concatenate([[seen], history[2:], history[:1]]) \
+        if length > 1 else np.array([seen], np.float32)
     out.append((scale, history.astype(np.float32)))
   return out
 
@@ -244,3 +250,46 @@ def test_a_subnormal_amax_scales_the_same_eagerly_and_jitted():
   from jmp_lite._fp8_numerics import current_scaling  # pylint: disable=g-import-not-at-top
   factor = current_scaling(tiny, "e4m3")[0]
   assert float(factor) == float(jax.jit(lambda a: current_scaling(a, "e4m3")[0])(tiny)) == 2.0 ** 126
+
+
+@pytest.mark.parametrize("algorithm", ["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 2, 1024])
+def test_a_subnormal_amax_scales_alike_for_every_history(algorithm, length):
+  """A history's maximum is read without flushing a subnormal to 0: an
+  amax of 1e-40 gave 2**-126 with one entry or "most_recent", and kept the
+  scale of 1 (nothing seen) with "max" over two entries or more."""
+  meta = fp8.DelayedScaling.create("e4m3", history_length=length, algorithm=algorithm)
+  for update in (meta.update, jax.jit(lambda a: meta.update(a))):
+    assert float(update(jnp.float32(1e-40)).scale) == np.finfo(np.float32).tiny
+
+
+def test_qdq_records_a_non_finite_maximum_as_nothing_seen():
+  meta = fp8.DelayedScaling.create("e4m3", history_length=4)
+  for amax in (2.0, np.inf, 4.0):
+    _, meta = meta.qdq(jnp.asarray([amax, 1.0], jnp.float32))
+  _, meta = meta.qdq(jnp.asarray([np.nan], jnp.float32))
+  # Rolled as Flax rolls (newest first, then from the end backwards).
+  assert np.asarray(meta.amax_history).tolist() == [0.0, 2.0, 0.0, 4.0]
+  # The scale this call used: from [4, 2, 0, 0] (Flax's is frozen by the inf).
+  np.testing.assert_allclose(float(meta.scale), 4.0 / 448.0, rtol=1e-7)  # e4m3 max
+  # ... and the one `update` gives from the same maxima.
+  ref = fp8.DelayedScaling.create("e4m3", history_length=4)
+  for amax in (2.0, np.inf, 4.0, np.nan):
+    ref = ref.update(jnp.float32(amax))
+  np.testing.assert_array_equal(meta.amax_history, ref.amax_history)
+
+
+def test_options_take_numpy_integers_and_refuse_what_a_scaling_ignores():
+  meta = fp8.DelayedScaling.create("e4m3", history_length=np.int64(8), margin=np.int32(1))
+  assert meta.amax_history.shape == (8,) and type(meta.margin) is int
+  with pytest.raises(ValueError, match=r"history_length must be an int >= 1, got 8\.0 \(float\)"):
+    fp8.DelayedScaling.create("e4m3", history_length=8.0)
+  loss = lambda w, x: jnp.sum(x @ w)
+  w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
+  for scaling in ("current", "block"):
+    with pytest.raises(ValueError, match=f"margin=3 .*scaling='{scaling}'"):
+      fp8.init(loss, w, x, select=".*", scaling=scaling, margin=3)
+    with pytest.raises(ValueError, match="algorithm='most_recent'"):
+      fp8.init(loss, w, x, select=".*", scaling=scaling, algorithm="most_recent")
+  with pytest.raises(ValueError, match=r"select='\(' is not a valid regular expression"):
+    fp8.init(loss, w, x, select="(")

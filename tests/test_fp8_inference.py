@@ -11,6 +11,7 @@ import inspect
 import os
 import subprocess
 import sys
+import warnings
 
 import flax.linen as nn
 import jax
@@ -80,7 +81,8 @@ def test_linen_inference_is_the_training_forward_bitwise(trained):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # ... and is fp8: it differs from the bf16 forward, and its program holds
   # one e4m3 x e4m3 dot_general per fp8 layer and nothing else.
-  plain = MODEL.apply({"params": params}, x)
+  with pytest.warns(UserWarning, match="without an fp8 state"):
+    plain = MODEL.apply({"params": params}, x)
   assert not np.array_equal(np.asarray(plain), np.asarray(got))
   jaxpr = jax.make_jaxpr(lambda p, s: MODEL.apply({"params": p}, x, fp8=s))(params, st)
   dots = [e for e in equations(jaxpr.jaxpr) if "dot" in e.primitive.name]
@@ -222,7 +224,8 @@ def test_current_and_block_scaling_need_no_history_and_serve_the_same(scaling):
   x = x * 1e4
   params = MODEL.init(jax.random.key(0), x)["params"]
   loss = lambda p, x, y: _loss(p, x, y)[0]
-  bf16 = float(loss(params, x, y))
+  with pytest.warns(UserWarning, match="without an fp8 state"):
+    bf16 = float(loss(params, x, y))
   delayed = fp8.init(loss, params, x, y, history_length=4)
   current = fp8.init(loss, params, x, y, history_length=4, scaling=scaling)
   assert current.scaling == scaling and delayed.scaling == "delayed"
@@ -243,3 +246,35 @@ def test_current_and_block_scaling_need_no_history_and_serve_the_same(scaling):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(out_c))
   with pytest.raises(ValueError, match="scaling"):
     fp8.init(loss, params, x, y, scaling="blockwise")
+
+
+def test_an_fp8_model_run_without_a_state_says_its_matmuls_are_not_fp8(trained):
+  """Flax's fp8 layer cannot run without its metadata (its variables); an
+  fp8 rule under wrap can, as the compute dtype's matmuls, and used to say
+  nothing: a model trained without ``fp8=`` trained in bf16."""
+  params, st = trained
+  x, y = _data()
+  missing = "called without an fp8 state"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # initialising, and every run with a state: silent
+    MODEL.init(jax.random.key(0), x)
+    MODEL.apply({"params": params}, x, fp8=st)
+    jmp_lite.value_and_grad(_loss, has_aux=True)(params, x, y, fp8=st)
+  with pytest.warns(UserWarning, match=missing):
+    MODEL.apply({"params": params}, x)
+  with pytest.warns(UserWarning, match=missing):
+    jax.grad(lambda p: _loss(p, x, y)[0])(params)
+  state = jmp_lite.TrainState.create(apply_fn=MODEL.apply, params=params, tx=optax.sgd(0.1))
+  with pytest.warns(UserWarning, match=missing):
+    state.minimize(_loss, x, y, has_aux=True)
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(D_IN, D_OUT, rngs=rngs)
+
+    def __call__(self, x):
+      return self.a(x)
+
+  model = jmp_lite.flax.wrap(Net(nnx.Rngs(0)), BF16, rules={nnx.Linear: FP8})
+  with pytest.warns(UserWarning, match=missing):
+    model(x)

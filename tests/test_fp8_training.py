@@ -312,8 +312,9 @@ def test_the_step_quantises_in_fp8_and_multiplies_fp8_arrays():
   assert hlo.count("= f8e4m3fn[") >= 2 * sites and hlo.count("= f8e5m2[") >= sites
   # The modules' outputs are bfloat16 (Flax's own record of them), the
   # model's float32.
-  out, inter = jax.eval_shape(lambda p: MODEL.apply(
-      {"params": p}, x, capture_intermediates=True, mutable=["intermediates"]), params)
+  with pytest.warns(UserWarning, match="without an fp8 state"):  # run as bf16
+    out, inter = jax.eval_shape(lambda p: MODEL.apply(
+        {"params": p}, x, capture_intermediates=True, mutable=["intermediates"]), params)
   assert out.dtype == np.float32
   for site in SITES:
     assert inter["intermediates"][site]["__call__"][0].dtype == bf16
@@ -529,7 +530,11 @@ def test_checkpoint_restores_across_history_lengths(saved, length, standard_prom
     for role in ROLES:
       s, r = getattr(_fp8(state).sites[site], role), getattr(_fp8(restored).sites[site], role)
       _eq(r.amax_history, _relay(s.amax_history, length))
-      _eq(r.scale, s.scale)
+      # The scale the kept entries ask for: all kept (16, 32), the saved
+      # one; the newest 8, possibly another (the saved one came from an
+      # entry dropped).
+      _eq(r.scale, s.scale if length >= 16 else _next_scale(
+          r.amax_history, s.scale, TOPS[role]))
       saved_h, new_h = np.asarray(s.amax_history), np.asarray(r.amax_history)
       if length == 8:  # the newest 8 in order (newest at 0, then from the end)
         _eq([new_h[0], *new_h[:0:-1]], [saved_h[0], *saved_h[:8:-1]])

@@ -34,6 +34,8 @@ sum.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 from typing import NamedTuple, Optional
@@ -57,6 +59,28 @@ ROLES = 3  # lhs, rhs, gradient
 WIDTH = 2 * ROLES
 
 MARK = "jmp_lite_fp8"  # name scope wrap opens around an fp8 module's call
+
+
+# Whether a pass that places fp8 sites is tracing: a model whose policy has
+# fp8 called outside one runs its matmuls at the compute dtype (the marks are
+# name scopes and do nothing by themselves), which wrap warns of.
+_PLACING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jmp_lite_fp8_placing", default=False)
+
+
+@contextlib.contextmanager
+def placing(active: bool = True):
+  """Marks the ``with`` block as traced by a pass that places fp8 sites."""
+  token = _PLACING.set(active)
+  try:
+    yield
+  finally:
+    _PLACING.reset(token)
+
+
+def placed() -> bool:
+  """Whether the code running now is traced by a pass placing fp8 sites."""
+  return _PLACING.get()
 
 
 def mark(recipe: Optional[str], path: str) -> str:

@@ -209,7 +209,7 @@ def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None)
     out, out_tree["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
     return out
 
-  with _probes.tapping():
+  with _probes.tapping(), _fp8_sites.placing(planner.fp8 is not None):
     closed = jax.make_jaxpr(flat_fun)(*(leaves[i] for i in traced))
   return closed, planner.plan(closed.jaxpr, "", live), traced, out_tree
 
