@@ -88,10 +88,19 @@ def register_serialization() -> None:
 
     def from_state_dict(target, state, data=data, cls=cls):
       missing = [n for n in data if n not in state]
-      if missing:
+      # Unknown fields too, as flax.struct refuses them: a checkpoint of
+      # another state (a DynamicLossScale's restored into a NoOpLossScale)
+      # would otherwise lose them without a word.
+      unknown = sorted(set(state) - set(data))
+      if missing or unknown:
         raise ValueError(
-            f"Restoring a {cls.__name__}: the checkpoint has no fields {missing} "
-            f"(it has {sorted(state)}).")
+            f"Restoring a {cls.__name__} at {serialization.current_path() or '.'}: "
+            "the checkpoint "
+            + "; ".join(([f"has no fields {missing}"] if missing else [])
+                        + ([f"has fields the target lacks {unknown}"] if unknown else []))
+            + f" (it has {sorted(state)}, the target {list(data)}). Restore into "
+            "the state the checkpoint was made from (the same loss scale and "
+            "options).")
       return replace_fields(target, **{
           n: serialization.from_state_dict(getattr(target, n), state[n], name=n)
           for n in data})

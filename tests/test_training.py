@@ -238,9 +238,17 @@ def test_flax_serialization_resumes_bit_exact(loss_scale):
   # Leaves: the optimizer functions of two `create` calls differ.
   assert_trees_bitwise_equal(jax.tree.leaves(_run(restored, 7, start=7)),
                              jax.tree.leaves(straight))
-  with pytest.raises(ValueError, match="DynamicLossScale: the checkpoint has no fields"):
+  with pytest.raises(ValueError, match=r"DynamicLossScale at \.: the checkpoint has no fields"):
     serialization.from_state_dict(jmp_lite.DynamicLossScale(2.0 ** 15),
                                   serialization.to_state_dict(jmp_lite.StaticLossScale(8.0)))
+  # The other way too, as flax.struct refuses unknown fields: a dynamic
+  # scale's checkpoint restored into a NoOp (or static) one lost the scale
+  # without a word, and float16 training resumed unscaled.
+  saved = serialization.to_bytes(_state(loss_scale=jmp_lite.DynamicLossScale(2.0 ** 10)))
+  for other in (jmp_lite.NoOpLossScale(), jmp_lite.StaticLossScale(8.0)):
+    with pytest.raises(ValueError, match=r"at \./opt_state/loss_scale: the checkpoint has "
+                       r"fields the target lacks \['consecutive_hysteresis'"):
+      serialization.from_bytes(_state(loss_scale=other), saved)
 
 
 def test_o1_policy_autocasts_the_whole_differentiated_step():
