@@ -299,6 +299,23 @@ def is_concrete(tree: Any, numbers: bool = True) -> bool:
              for x in jax.tree.leaves(tree))
 
 
+def refuse_wrappers_around() -> None:
+  """Raises if ``with_loss_scale``'s ``init`` runs inside a wrapper that
+  undoes what it does (`inside_multisteps`, `inside_apply_if_finite`)."""
+  if inside_multisteps():
+    raise ValueError(
+        "with_loss_scale inside optax.MultiSteps: MultiSteps keeps a NaN "
+        "from one overflowing micro-batch in its accumulator for good. Use "
+        "with_loss_scale(..., accumulate_steps=k) instead.")
+  if inside_apply_if_finite():
+    raise ValueError(
+        "with_loss_scale inside optax.apply_if_finite: apply_if_finite checks "
+        "the scaled gradients and, on an overflow, keeps its old state, the "
+        "loss scale's included, so the scale never backs off. with_loss_scale "
+        "already skips non-finite steps; use it alone (max_stalled_steps= "
+        "stops a run that skips too many in a row).")
+
+
 def inside_multisteps() -> bool:
   """Whether ``init`` was called, at any depth, by ``optax.MultiSteps.init``.
 
@@ -313,6 +330,19 @@ def inside_multisteps() -> bool:
   return _internals.called_from(optax.MultiSteps.init.__code__, skip=1)
 
 
+def inside_apply_if_finite() -> bool:
+  """Whether ``init`` was called, at any depth, by ``optax.apply_if_finite``'s.
+
+  apply_if_finite checks the gradients it is given, the scaled ones, and on
+  an overflow keeps the state it had, the guard's included: the loss scale
+  never backs off and the step is not counted as skipped (float16
+  parameters fail in its ``cond`` instead, the guard's updates being
+  float32).
+  """
+  code = _internals.nested_code(optax.apply_if_finite, "init")
+  return code is not None and _internals.called_from(code, skip=1)
+
+
 def multisteps_around(opt_state: Any, is_target) -> bool:
   """Whether a leaf ``is_target`` accepts sits inside an ``optax.MultiStepsState``."""
   is_multi = lambda x: isinstance(x, optax.MultiStepsState)
@@ -321,3 +351,36 @@ def multisteps_around(opt_state: Any, is_target) -> bool:
         is_target(x) for x in jax.tree_util.tree_leaves(node, is_leaf=is_target)):
       return True
   return False
+
+
+def inner_blind_to_dtypes(init, params: Any, copies: Any, inner_state: Any) -> None:
+  """Refuses an inner optimizer that chooses parameters by their dtype.
+
+  The guard runs ``init`` on ``copies`` (16-bit floats as float32), so a
+  choice by dtype (an ``optax.multi_transform`` label or ``optax.masked``
+  mask reading ``x.dtype == jnp.bfloat16``: "Kahan for the bf16 leaves")
+  sees no 16-bit leaf and silently selects nothing. Such a choice shows as
+  a state of another structure for the leaves in their stored dtypes
+  (traced only, `jax.eval_shape`).
+  """
+  narrow = [c is not None and np.dtype(c.dtype) != np.dtype(p.dtype)
+            for p, c in zip(jax.tree.leaves(params),
+                            jax.tree.leaves(copies, is_leaf=lambda x: x is None))]
+  if not any(narrow):
+    return
+  as_stored = jax.tree.map(lambda p, c: None if c is None else p, params, copies,
+                           is_leaf=lambda x: x is None)
+  try:
+    stored_state = jax.eval_shape(init, as_stored)
+  except Exception:  # pylint: disable=broad-except
+    return  # it cannot run on them at all: nothing to compare
+  if jax.tree.structure(stored_state) != jax.tree.structure(inner_state):
+    raise ValueError(
+        "with_loss_scale: the inner optimizer's state has another structure for "
+        "the parameters in their stored dtypes than for the float32 copies of "
+        "16-bit parameters it runs on: it chooses parameters by dtype (an "
+        "optax.multi_transform label or optax.masked mask reading x.dtype?). "
+        "Under the guard every floating parameter it sees is float32, so that "
+        "choice would select none of them. Compute the labels or mask once from "
+        "the stored parameters and pass them as a tree: "
+        "optax.multi_transform(transforms, label_fn(params)).")

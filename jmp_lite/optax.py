@@ -280,14 +280,12 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
 
   def init(params):
     params = _unscale.numbers_as_arrays(params)
-    if _checks.inside_multisteps():
-      raise ValueError(
-          "with_loss_scale inside optax.MultiSteps: MultiSteps keeps a NaN "
-          "from one overflowing micro-batch in its accumulator for good. Use "
-          "with_loss_scale(..., accumulate_steps=k) instead.")
+    _checks.refuse_wrappers_around()
     copies = _unscale.for_inner(params)
     with stored_params(params, copies):
-      inner_state = _unscale.strongly_typed(inner.init(copies))
+      raw_state = inner.init(copies)
+      _checks.inner_blind_to_dtypes(inner.init, params, copies, raw_state)
+      inner_state = _unscale.strongly_typed(raw_state)
     if _contains_loss_scale_state(inner_state):
       raise ValueError(
           "with_loss_scale: inner already contains a with_loss_scale (e.g. "

@@ -373,6 +373,11 @@ class TrainState(flax.struct.PyTreeNode):
         skips, counted by ``self.step``), reduced over ``axis_name``.
       **kwargs: keyword arguments of ``loss_fn``.
 
+    The optimizer's ``update`` is given the loss as ``value=`` (averaged over
+    ``axis_name``; with ``accumulate_steps``, the last micro-batch's), which
+    optimizers that read it take (``optax.contrib.reduce_on_plateau``,
+    ``optax.polyak_sgd``) and others ignore.
+
     Returns:
       The new state and a `StepInfo`.
     """
@@ -428,6 +433,10 @@ class TrainState(flax.struct.PyTreeNode):
           headroom=stats.cotangent_headroom, upper=stats.cotangent_upper,
           sampled=stats.sampled)
       measured.update({_guard_state.MEASURE_PREFIX + n: offered[n] for n in reads})
+    # The loss, for optimizers whose update reads it (``value=``:
+    # optax.contrib.reduce_on_plateau, polyak_sgd), the same on every replica.
+    measured["value"] = loss if self.axis_name is None else jax.lax.pmean(
+        loss, self.axis_name)
     new = self._apply(grads, measured)
     info = new.loss_scale_state
     # A call that only accumulated (mini_step counts on) skipped nothing.

@@ -315,3 +315,19 @@ def test_apply_updates_leaves_a_parameter_with_a_none_update():
   assert out["act"] is jax.nn.relu and out["b"] is None
   assert out["w"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(out["w"], np.float32), 1 + 2.0 ** -6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_apply_if_finite_around_the_guard_is_refused(dtype):
+  """apply_if_finite checks the scaled gradients and keeps its old state on
+  an overflow, the guard's included: the loss scale stayed at 2**125 and
+  the steps read as applied (float16 parameters failed inside optax's
+  ``cond`` instead). Inside the guard it is fine."""
+  tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0 ** 125))
+  params = {"w": jnp.ones(3, dtype)}
+  with pytest.raises(ValueError, match="inside optax.apply_if_finite"):
+    optax.apply_if_finite(tx, max_consecutive_errors=3).init(params)
+  with pytest.raises(ValueError, match="inside optax.apply_if_finite"):
+    optax.chain(optax.apply_if_finite(optax.chain(optax.identity(), tx), 3)).init(params)
+  jo.with_loss_scale(optax.apply_if_finite(optax.sgd(0.1), 3),
+                     jmp_lite.NoOpLossScale()).init(params)

@@ -242,6 +242,39 @@ def test_rounding_inside_part_of_the_tree_rounds_that_part(rounder, guard, split
   np.testing.assert_array_equal(np.asarray(out["b"], np.float32), 1.0)  # plain sgd stalls
 
 
+@pytest.mark.parametrize("split", ["masked", "multi_transform"])
+def test_a_choice_by_dtype_inside_the_guard_is_refused(split):
+  """The guard's inner optimizer sees float32 copies of 16-bit parameters,
+  so "Kahan for the bf16 leaves" by a label or mask reading ``x.dtype``
+  selected nothing: the bf16 leaf trained without it and stayed at 1.0
+  where plain optax reaches 1.1. Labels computed once from the stored
+  parameters and passed as a tree are the way, and match plain optax."""
+  params = {"w": jnp.ones(4, jnp.bfloat16), "b": jnp.ones(4, jnp.float32)}
+  low = lambda p: jax.tree.map(lambda x: x.dtype == jnp.bfloat16, p)
+  label = lambda p: jax.tree.map(lambda x: "low" if x.dtype == jnp.bfloat16 else "high", p)
+  kahan = optax.chain(optax.sgd(1e-3), jo.kahan_summation())
+
+  def make(choose):
+    if split == "masked":  # (``b`` gets the raw gradient: only ``w`` is checked)
+      return optax.masked(kahan, low if choose else low(params))
+    return optax.multi_transform({"low": kahan, "high": optax.sgd(1e-3)},
+                                 label if choose else label(params))
+
+  with pytest.raises(ValueError, match="chooses parameters by dtype"):
+    jo.with_loss_scale(make(True), jmp_lite.NoOpLossScale()).init(params)
+  # The oracle: plain optax, its gradients in the parameters' dtypes (optax
+  # labels the updates again on every step, by their dtypes).
+  tx, p = make(True), params
+  state, update = tx.init(p), jax.jit(tx.update)
+  for _ in range(100):
+    updates, state = update(jax.tree.map(lambda x: jnp.full_like(x, -1.0), p), state, p)
+    p = _apply(p, updates)
+  guarded, _ = _run(jo.with_loss_scale(make(False), jmp_lite.NoOpLossScale()),
+                    params, -1.0, 100, jit=True)
+  assert float(p["w"][0]) == float(guarded["w"][0]) == 1.1015625  # Kahan: 1 + 100e-3
+  assert guarded["w"].dtype == jnp.bfloat16
+
+
 @ROUNDERS
 @pytest.mark.parametrize("guard", [False, True])
 def test_rounding_inside_with_state_dtype_rounds_the_stored_params(rounder, guard):

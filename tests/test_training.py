@@ -301,3 +301,29 @@ def test_negative_argnums_name_the_same_argument(telemetry):
   chex.assert_trees_all_equal(last, second)
   plain = jmp_lite.value_and_grad(loss, argnums=1, **kw)(x, w, loss_scale=one)
   assert float(jnp.max(jnp.abs(last[1] - plain[1]))) > 0  # the policy did cast
+
+
+@pytest.mark.usefixtures("standard_promotion")  # optax's plateau arithmetic
+def test_minimize_gives_the_loss_to_optimizers_that_read_it():
+  """``optax.contrib.reduce_on_plateau`` (and ``polyak_sgd``) need the loss as
+  ``value=``: under `TrainState.minimize` they raised optax's ``missing
+  keyword-only argument 'value'``. The oracle is plain optax given the loss
+  by hand; a loss that does not improve (learning rate 0) halves the scale
+  after ``patience`` steps."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+  loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2)
+  tx = optax.chain(optax.sgd(0.0), optax.contrib.reduce_on_plateau(patience=2, factor=0.5))
+  params = {"w": jnp.ones(4)}
+  state = jmp_lite.TrainState.create(apply_fn=None, params=params, tx=tx)
+  plain = tx.init(params)
+  step = jax.jit(lambda s: s.minimize(loss, x))
+  for _ in range(6):
+    state, _ = step(state)
+    value, grads = jax.value_and_grad(loss)(params, x)
+    _, plain = tx.update(grads, plain, params, value=value)
+  ours, theirs = state.loss_scale_state.inner_state[1], plain[1]
+  # The loss itself to float32 rounding (another program computes it).
+  np.testing.assert_allclose(ours.best_value, theirs.best_value, rtol=1e-6)
+  assert_trees_bitwise_equal((ours.scale, ours.plateau_count, ours.count),
+                             (theirs.scale, theirs.plateau_count, theirs.count))
+  assert float(theirs.scale) == 0.25

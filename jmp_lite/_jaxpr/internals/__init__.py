@@ -52,6 +52,7 @@ from jmp_lite._jaxpr.internals.jaxprs import user_frames
 from jmp_lite._jaxpr.internals.jaxprs import with_more_consts
 from jmp_lite._jaxpr.internals.jaxprs import wrap_fun
 from jmp_lite._jaxpr.internals.private import called_from
+from jmp_lite._jaxpr.internals.private import nested_code
 from jmp_lite._jaxpr.internals.private import OWN_ATTRIBUTE
 from jmp_lite._jaxpr.internals.private import scope_init_args
 from jmp_lite._jaxpr.internals.private import scope_swapped
@@ -102,6 +103,7 @@ __all__ = (
     "with_more_consts",
     "wrap_fun",
     "called_from",
+    "nested_code",
     "interceptors_inside",
     "interceptors_restored",
     "OWN_ATTRIBUTE",

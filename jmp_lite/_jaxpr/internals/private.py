@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 
 
 def scope_init_args(scope) -> tuple[tuple, dict]:
@@ -89,6 +90,18 @@ def called_from(code, skip: int) -> bool:
       return True
     frame = frame.f_back
   return False
+
+
+def nested_code(factory, name: str):
+  """The code of the function named ``name`` defined inside ``factory`` (the
+  ``init`` closure of ``optax.apply_if_finite``), or None. Relies on CPython
+  keeping a nested function's code among its parent's ``co_consts``, and on
+  the factory naming the closure so."""
+  code = getattr(factory, "__code__", None)
+  for const in code.co_consts if code is not None else ():
+    if isinstance(const, types.CodeType) and const.co_name == name:
+      return const
+  return None
 
 
 def set_attributes(node, **attributes) -> None:
