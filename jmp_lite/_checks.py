@@ -343,6 +343,25 @@ def inside_apply_if_finite() -> bool:
   return code is not None and _internals.called_from(code, skip=1)
 
 
+def refuse_narrow_inside_apply_if_finite(updates: Any, name: str) -> None:
+  """Raises a clear error where optax's would be obscure: a rounding
+  transform (emitting float32 updates, `jmp_lite.rounding`) inside
+  ``optax.apply_if_finite`` given 16-bit updates, whose skip branch returns
+  zeros in the 16-bit dtype (``cond branches must have equal output
+  types``)."""
+  narrow = [x for x in jax.tree.leaves(updates)
+            if is_floating(x) and np.dtype(x.dtype).itemsize == 2]
+  code = _internals.nested_code(optax.apply_if_finite, "update")
+  if narrow and code is not None and _internals.called_from(code, skip=1):
+    raise ValueError(
+        f"{name} inside optax.apply_if_finite with {np.dtype(narrow[0].dtype)} "
+        f"updates: {name} emits float32 updates, and apply_if_finite's skip "
+        "branch returns zeros in the updates' dtype, which its cond refuses. "
+        "Put apply_if_finite inside (optax.chain(optax.apply_if_finite(opt, k), "
+        f"{name}(...))), give it float32 gradients, or use "
+        "jmp_lite.optax.with_loss_scale, which skips non-finite steps itself.")
+
+
 def multisteps_around(opt_state: Any, is_target) -> bool:
   """Whether a leaf ``is_target`` accepts sits inside an ``optax.MultiStepsState``."""
   is_multi = lambda x: isinstance(x, optax.MultiStepsState)

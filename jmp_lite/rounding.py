@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite import _checks
 from jmp_lite import _exact
 from jmp_lite import _stored
 from jmp_lite._stored import stored_params
@@ -179,6 +180,7 @@ def stochastic_round(key: jax.Array) -> optax.GradientTransformation:
     return StochasticRoundState(key=jnp.asarray(unwrap(key)))
 
   def update(updates, state, params=None):
+    _checks.refuse_narrow_inside_apply_if_finite(updates, "stochastic_round")
     params = _stored.params_as_stored(params, "stochastic_round")
     step_key, next_key = jax.random.split(wrap(state.key))
     treedef, paths, us, ps = _pairs(updates, params, "stochastic_round")
@@ -251,6 +253,7 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
     return KahanState(jax.tree_util.tree_map_with_path(zeros, params))
 
   def update(updates, state, params=None):
+    _checks.refuse_narrow_inside_apply_if_finite(updates, "kahan_summation")
     params = _stored.params_as_stored(params, "kahan_summation")
 
     def one(u, p, c):

@@ -386,3 +386,26 @@ def test_bad_input_is_named_by_its_path(rounder):
     wrong = tx.init({"a": {"w": jnp.ones(4, jnp.float32)}})  # made for float32 params
     with pytest.raises(ValueError, match=r"compensation \['a'\]\['w'\].*init\(params\)"):
       tx.update({"a": {"w": jnp.ones(4)}}, wrong, params)
+
+
+@ROUNDERS
+def test_inside_apply_if_finite_with_16_bit_updates_the_error_says_what_to_do(rounder):
+  """The rounding transforms emit float32 updates; apply_if_finite's skip
+  branch returns zeros in the updates' dtype, and with bfloat16 gradients
+  its ``cond`` failed with optax's ``cond branches must have equal output
+  types``. Float32 gradients are fine, and so is apply_if_finite inside."""
+  params = {"w": jnp.ones(4, jnp.bfloat16)}
+  outside = optax.apply_if_finite(optax.chain(optax.sgd(1e-3), rounder()), 3)
+  state = outside.init(params)
+  with pytest.raises(ValueError, match="inside optax.apply_if_finite with bfloat16 updates"):
+    jax.jit(outside.update)({"w": jnp.ones(4, jnp.bfloat16)}, state, params)
+  jax.jit(outside.update)({"w": jnp.ones(4, jnp.float32)}, state, params)
+  inside = optax.chain(optax.apply_if_finite(optax.sgd(1e-3), 3), rounder())
+  state, p = inside.init(params), params
+  for bad in (False, True, False):
+    grads = {"w": jnp.full(4, jnp.nan if bad else -1.0, jnp.bfloat16)}
+    updates, state = jax.jit(inside.update)(grads, state, p)
+    new = jo.apply_updates(p, updates)
+    if bad:  # skipped: nothing moves
+      assert_trees_bitwise_equal(new, p)
+    p = new
