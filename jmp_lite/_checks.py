@@ -403,3 +403,15 @@ def inner_blind_to_dtypes(init, params: Any, copies: Any, inner_state: Any) -> N
         "choice would select none of them. Compute the labels or mask once from "
         "the stored parameters and pass them as a tree: "
         "optax.multi_transform(transforms, label_fn(params)).")
+
+
+def loss_scale_hint(value: Any) -> str:
+  """What to say of a loss scale that is not jmp_lite's: jmp's own classes
+  share the names (``import jmp_lite as jmp`` gives jmp_lite's)."""
+  module = type(value).__module__ or ""
+  if module == "jmp" or module.startswith("jmp."):
+    return (f" That is jmp's {type(value).__name__}: use jmp_lite's "
+            f"(jmp_lite.{type(value).__name__}, or `import jmp_lite as jmp`), "
+            "whose state compiles once and skips non-finite steps.")
+  return ""
+

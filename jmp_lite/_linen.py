@@ -31,6 +31,7 @@ from jmp_lite._flax_rules import state_dtype_hint
 from jmp_lite._flax_rules import tap_and_cast
 from jmp_lite._flax_rules import variable_paths
 from jmp_lite._flax_rules import warn_if_fp8_unplaced
+from jmp_lite._flax_rules import warn_param_dtypes
 from jmp_lite._flax_rules import warn_unmatched
 from jmp_lite._flax_rules import warn_if_bridged
 from jmp_lite._jaxpr import internals as _internals
@@ -126,7 +127,7 @@ class _LinenInterceptor:
     # child, not as the model (whose row it was merged into).
     self.scope_root = scope_root
     self.paths: list[str] = []
-    self.seen: set[str] = set()  # every module path called under it
+    self.seen: dict[str, Policy] = {}  # every module called under it: its policy
     self.stack: list[Optional[Policy]] = []
     # The clones methods ran on, alive as long as the call: a submodule a
     # method returns (``model._get_encoder_module()``, as Hugging Face's
@@ -159,8 +160,8 @@ class _LinenInterceptor:
         self.stack.pop()
       return caller.cast_to_compute(out) if caller else out
     path = self._path(module)
-    self.seen.add(path)
     policy = self.rules.resolve(type(module), path)
+    self.seen.setdefault(path, policy)
     if self.record is not None:
       self.record.setdefault(path, policy)
     given = args
@@ -285,7 +286,9 @@ class _LinenWrapper(nn.Module):
     the rest in its variables). Inside an NNX model (``prefix``), the NNX
     wrapper, which sees both halves, checks."""
     if self.rules.paths and not self.prefix:
-      warn_unmatched(self.rules, interceptor.seen | variable_paths(self.variables))
+      warn_unmatched(self.rules, set(interceptor.seen) | variable_paths(self.variables))
+    if not self.is_initializing() and not self.rules.module_dtypes:
+      warn_param_dtypes(self.variables.get("params", {}), interceptor.seen)
 
   @nn.nowrap
   def init_with_output(self, rngs, *args, **kwargs):

@@ -91,6 +91,8 @@ from jmp_lite import _struct
 from jmp_lite._flax_rules import default_rules
 from jmp_lite._flax_rules import Rules
 from jmp_lite._flax_rules import UnmatchedRuleWarning
+from jmp_lite._flax_rules import variable_paths
+from jmp_lite._flax_rules import warn_unmatched
 from jmp_lite._linen import _LinenInterceptor
 from jmp_lite._linen import _LinenWrapper
 from jmp_lite._nnx import NnxWrapper
@@ -208,6 +210,9 @@ def policy_map(wrapped, *args, rngs=None, **kwargs) -> dict[str, Policy]:
   if rngs is None:
     rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
   record: dict[str, Policy] = {}
-  with nn.intercept_methods(_LinenInterceptor(wrapped.rules, (), record)):
-    jax.eval_shape(lambda: wrapped.module.init(rngs, *args, **kwargs))
+  interceptor = _LinenInterceptor(wrapped.rules, (), record)
+  with nn.intercept_methods(interceptor):
+    variables = jax.eval_shape(lambda: wrapped.module.init(rngs, *args, **kwargs))
+  if wrapped.rules.paths:  # the listing is where a misspelt rule is looked for
+    warn_unmatched(wrapped.rules, set(interceptor.seen) | variable_paths(variables))
   return record

@@ -60,10 +60,14 @@ def _check_flag(flag: Any, what: str) -> jax.Array:
   dtype = getattr(flag, "dtype", None)
   shape = getattr(flag, "shape", None)
   if shape != () or dtype != jnp.bool_:
+    # Not the value's repr: a gradient tree passed by mistake prints every array.
+    leaves = jax.tree.leaves(flag)
+    what_it_is = (f"{type(flag).__name__} with shape={shape} dtype={dtype}"
+                  if shape is not None else
+                  f"{type(flag).__name__} of {len(leaves)} leaves")
     raise _FlagError(
-        f"{what}: expected boolean scalar, got {type(flag).__name__} with "
-        f"shape={shape} dtype={dtype}: {flag!r}. Reduce it first, e.g. with "
-        "jmp_lite.all_finite(grads).")
+        f"{what}: expected boolean scalar, got {what_it_is}. Reduce it first, "
+        "e.g. with jmp_lite.all_finite(grads).")
   return flag
 
 

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import reprlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,8 +247,9 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
   if not isinstance(loss_scale, (ls_lib.NoOpLossScale, ls_lib.StaticLossScale,
                                  ls_lib.DynamicLossScale)):
     raise TypeError(
-        f"with_loss_scale: loss_scale must be a jmp_lite loss scale, got {loss_scale!r} "
-        "(e.g. jmp_lite.DynamicLossScale(2.0 ** 15))")
+        f"with_loss_scale: loss_scale must be a jmp_lite loss scale, got "
+        f"{reprlib.repr(loss_scale)} (e.g. jmp_lite.DynamicLossScale(2.0 ** 15))."
+        + _checks.loss_scale_hint(loss_scale))
   if clip_norm is not None:
     if isinstance(clip_norm, (str, bool)) or np.ndim(clip_norm) != 0:
       raise TypeError(

@@ -24,6 +24,7 @@ alone unless the target dtype is itself such a format.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any, Optional, TypeVar
 
@@ -303,7 +304,7 @@ def parse_dtype(value: str) -> np.dtype:
         f"dtype '{value}' is {dt.name}, not a floating dtype: a policy's dtypes "
         f"are floating, one of {sorted(name_to_dtype)}.")
   raise ValueError(
-      f"Unknown dtype '{value}' must be full, half or one of "
+      f"Unknown dtype '{value}': expected 'full', 'half' or one of "
       f"{sorted(name_to_dtype)} (e.g. 'f32' for 'float32', 'bf16' for "
       "'bfloat16').")
 
@@ -406,8 +407,11 @@ def get_policy(policy_name: str | Policy) -> Policy:
     try:
       dtype = parse_dtype(name)
     except ValueError as e:
+      close = difflib.get_close_matches(name, [p.lower() for p in PRESETS], n=1)
+      hint = (f" Did you mean '{PRESETS[[p.lower() for p in PRESETS].index(close[0])]}'?"
+              if close else "")
       raise ValueError(
-          f"{e} Presets: {', '.join(PRESETS)}. Mixed policies are written "
+          f"{e} Presets: {', '.join(PRESETS)}.{hint} Mixed policies are written "
           "'params=float32,compute=bfloat16,output=float32'.") from None
     return Policy(dtype, dtype, dtype)
 
@@ -416,7 +420,9 @@ def get_policy(policy_name: str | Policy) -> Policy:
     key, sep, value = part.partition("=")
     if not sep or not key or not value or "=" in value:
       raise ValueError(
-          f"Malformed token '{part}' in '{policy_name}': expected key=dtype.")
+          f"Malformed token '{part}' in '{policy_name}': expected key=dtype"
+          + (", the pairs separated by commas ('p=f32,c=bf16,o=f32')."
+             if any(c in part for c in ";:/ |") else "."))
     if key not in _KEYS and key != "fp8":
       raise ValueError(
           f"Unknown key '{key}' in '{policy_name}' should be one of "

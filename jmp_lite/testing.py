@@ -13,7 +13,7 @@ Example: a jitted step that survives an overflow at steps 3 and 7::
     def train_step(state, batch, step):
       grads = grad_fn(state.params, batch)               # scaled gradients
       grads = inject_nonfinite(grads, step, at_steps=[3, 7], value="inf")
-      return state.apply_gradients(grads=grads)          # skips steps 3 and 7
+      return state.apply_gradients(grads=grads, scaled=True)  # skips steps 3 and 7
 
 `run_processes` runs a worker script as N processes of K CPU devices each,
 joined into one JAX runtime by `initialize_worker`, and collects what each

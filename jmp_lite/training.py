@@ -13,6 +13,7 @@ Two ways to write a step, from the same pieces:
 from __future__ import annotations
 
 import functools
+import reprlib
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import flax.struct
@@ -22,6 +23,7 @@ import optax
 
 from jmp_lite import _guard_state
 from jmp_lite._jaxpr.passes import plan as _plan
+from jmp_lite import _checks
 from jmp_lite import _replicas
 from jmp_lite import _scaled_grad
 from jmp_lite import _struct
@@ -142,7 +144,8 @@ def value_and_grad(
                                    ls_lib.DynamicLossScale)):
       raise TypeError(
           "value_and_grad: loss_scale must be a jmp_lite loss scale, e.g. "
-          f"jmp_lite.StaticLossScale({loss_scale!r}), got {loss_scale!r}.")
+          f"jmp_lite.StaticLossScale({reprlib.repr(loss_scale)}), got "
+          f"{reprlib.repr(loss_scale)}." + _checks.loss_scale_hint(loss_scale))
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if nums and max(nums) >= len(args):
       # Checked here: past this point the loss scale is a positional
@@ -343,11 +346,28 @@ class TrainState(flax.struct.PyTreeNode):
   def loss_scale_state(self) -> jo.LossScaleState:
     return jo.find_loss_scale_state(self.opt_state)
 
-  def apply_gradients(self, *, grads, **kwargs) -> "TrainState":
+  def apply_gradients(self, *, grads, scaled: Optional[bool] = None,
+                      **kwargs) -> "TrainState":
     """Applies the gradients of ``self.loss_scale.scale(loss)`` (still scaled).
 
     Unscaling, the finiteness check, clipping and skipping happen in ``tx``.
+    Under a loss scale other than `jmp_lite.NoOpLossScale`, say so with
+    ``scaled=True``: the gradients of an unscaled loss (Flax's
+    ``apply_gradients(grads=jax.grad(loss)(params))``) would be divided by
+    the scale, steps 2**15 times too small with nothing to show it.
+    `minimize` scales, differentiates and applies in one call.
+
+    Raises:
+      TypeError: under a loss scale, if ``scaled`` is not True.
     """
+    if not isinstance(self.loss_scale, ls_lib.NoOpLossScale) and scaled is not True:
+      raise TypeError(
+          f"TrainState.apply_gradients: this state scales the loss "
+          f"({type(self.loss_scale).__name__}), and these gradients are divided "
+          "by its scale. Pass gradients of state.loss_scale.scale(loss) with "
+          "scaled=True, or let state.minimize(loss_fn, *args) scale, "
+          "differentiate and apply (gradients of the plain loss would make "
+          f"steps loss-scale times too small). Got scaled={scaled!r}.")
     return self._apply(grads, {}, **kwargs)
 
   def _apply(self, grads, extra_args: dict, **kwargs) -> "TrainState":
@@ -381,6 +401,12 @@ class TrainState(flax.struct.PyTreeNode):
     Returns:
       The new state and a `StepInfo`.
     """
+    if not callable(loss_fn):
+      raise TypeError(
+          "TrainState.minimize: loss_fn must be a function of the parameters, "
+          "called as loss_fn(params, *args, **kwargs), got "
+          f"{type(loss_fn).__name__} (pass the function, not its value: "
+          "state.minimize(loss_fn, x, y)).")
     telemetry = _check_telemetry(telemetry, "TrainState.minimize")
     params = self.params
     _check_param_dtypes(params, self.policy)

@@ -1056,3 +1056,21 @@ def test_select_tree_keeps_a_python_number_both_trees_hold():
   w, z, k = select(jnp.bool_(False))
   np.testing.assert_array_equal(w, [0.0, 0.0])
   assert np.signbit(z) and int(k) == 4
+
+
+def test_a_tree_given_as_the_finiteness_flag_is_named_not_printed():
+  grads = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
+  with pytest.raises(ValueError, match=r"got dict of 2 leaves\. Reduce it first") as e:
+    jmp_lite.DynamicLossScale(2.0 ** 15).adjust(grads)
+  assert len(str(e.value)) < 300 and "Array(" not in str(e.value)
+
+
+def test_jmps_own_loss_scale_is_refused_with_its_name():
+  import optax  # pylint: disable=g-import-not-at-top
+  import jmp_lite.optax  # pylint: disable=g-import-not-at-top
+  foreign = jmp.DynamicLossScale(jnp.float32(2.0 ** 15))
+  for make in (lambda: jmp_lite.optax.with_loss_scale(optax.sgd(0.1), foreign),
+               lambda: jmp_lite.value_and_grad(lambda w: jnp.sum(w))(
+                   jnp.ones(3), loss_scale=foreign)):
+    with pytest.raises(TypeError, match=r"That is jmp's DynamicLossScale: use jmp_lite's"):
+      make()

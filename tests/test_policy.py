@@ -495,3 +495,14 @@ def test_str_matches_jmp_format():
   for dtype in (F32, BF16, F16):
     pieces = str(jmp_lite.Policy(dtype, dtype, dtype)).split(",")
     assert pieces == [f"{k}={jmp_lite.dtype_to_names[dtype][0]}" for k in "pco"]
+
+
+def test_policy_string_mistakes_say_what_to_write():
+  """A newcomer's spellings: a preset misremembered, semicolons for commas."""
+  with pytest.raises(ValueError, match=r"Unknown dtype 'mixed_bf16': expected 'full', "
+                     r"'half' or one of .* Did you mean 'mixed_bfloat16'\?"):
+    jmp_lite.get_policy("mixed_bf16")
+  with pytest.raises(ValueError, match=r"separated by commas \('p=f32,c=bf16,o=f32'\)"):
+    jmp_lite.get_policy("p=f32;c=bf16;o=f32")
+  with pytest.raises(ValueError, match=r"expected key=dtype\.$"):
+    jmp_lite.get_policy("p=f32,c")

@@ -241,7 +241,7 @@ def test_training_run_skips_exactly_the_poisoned_steps(param_dtype):
     grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(state.params)
     grads = inject_nonfinite(grads, step, at_steps=sorted(POISONED), value="random",
                              leaves="random", element="random", key=key)
-    return state.apply_gradients(grads=grads)
+    return state.apply_gradients(grads=grads, scaled=True)
 
   expected_scales = _reference_scales(N_STEPS, POISONED, scale=CAP, period=3, cap=CAP)
   rng = np.random.default_rng(0)

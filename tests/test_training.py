@@ -182,9 +182,19 @@ def test_a_call_that_only_accumulates_skipped_no_step():
 def test_train_state_apply_gradients_takes_scaled_gradients():
   state = _state(loss_scale=jmp_lite.StaticLossScale(8.0), tx=optax.sgd(1.0))
   scaled = jax.tree.map(lambda p: jnp.ones_like(p) * 8.0, state.params)
-  new = state.apply_gradients(grads=scaled)
+  new = state.apply_gradients(grads=scaled, scaled=True)
   chex.assert_trees_all_close(new.params, jax.tree.map(lambda p: p - 1.0, state.params),
                               rtol=1e-7)  # np.testing.assert_allclose's default
+  # Flax's habit, gradients of the plain loss, would step 8 times too short
+  # here (2**15 times under the usual dynamic scale): refused, not guessed.
+  with pytest.raises(TypeError, match="scaled=True, or let state.minimize"):
+    state.apply_gradients(grads=scaled)
+  with pytest.raises(TypeError, match="scaled=False"):
+    state.apply_gradients(grads=scaled, scaled=False)
+  plain = _state(loss_scale=jmp_lite.NoOpLossScale(), tx=optax.sgd(1.0))
+  plain.apply_gradients(grads=jax.tree.map(jnp.ones_like, plain.params))  # as Flax's
+  with pytest.raises(TypeError, match="pass the function, not its value"):
+    state.minimize(jnp.float32(1.0))
 
 
 def _run(state, n, start=0):
