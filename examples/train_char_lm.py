@@ -176,7 +176,13 @@ def train(name, train_data, val_data, args):
   def train_step(state, x, y):
     return state.minimize(loss_of, x, y, telemetry=telemetry)
 
-  val_loss = jax.jit(loss_of)
+  @jax.jit
+  def val_loss(params, fp8, x, y):
+    # An fp8 model is evaluated with the scales it trained with (without
+    # them its matmuls would run in bf16, and wrap would warn).
+    logits = model.apply({"params": params}, x, fp8=fp8)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
   losses, scales, times = [], [], []
   last_stats = None
   bar = tqdm(range(args.steps), desc=f"{name:>5}", disable=args.no_progress,
@@ -194,8 +200,8 @@ def train(name, train_data, val_data, args):
       bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{scales[-1]:g}")
 
   val_rng = np.random.default_rng(12345)  # the same validation batches for all
-  vals = [float(val_loss(state.params, *batches(val_data, val_rng, args.batch_size,
-                                                    args.context)))
+  vals = [float(val_loss(state.params, state.loss_scale_state.fp8,
+                         *batches(val_data, val_rng, args.batch_size, args.context)))
           for _ in range(args.val_batches)]
   steady = times[len(times) // 5:]  # leave out compilation and warm-up
   return {
