@@ -184,29 +184,6 @@ def _user_stacklevel() -> int:
   return level
 
 
-def warn_param_dtypes(params, policies: dict) -> None:
-  """Warns when parameters are stored in another dtype than their module's
-  policy's ``param_dtype`` (a bf16 checkpoint given to a ``p=f32`` model):
-  they train as they are, without the master copy the policy promised.
-  ``policies``: module path -> policy, for the modules that ran."""
-  bad = []
-  for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    names = [str(k.key) for k in keys if isinstance(k, jax.tree_util.DictKey)]
-    policy = policies.get("/".join(names[:-1]))
-    if (policy is not None and _floating(leaf)
-        and np.dtype(leaf.dtype) != np.dtype(policy.param_dtype)):
-      bad.append(("/".join(names), np.dtype(leaf.dtype), np.dtype(policy.param_dtype)))
-  if bad:
-    path, have, want = bad[0]
-    warnings.warn(
-        f"jmp_lite.flax.wrap: {len(bad)} parameter(s) are stored in another dtype "
-        f"than their policy's param_dtype, e.g. {path!r} is {have} where the "
-        f"policy stores {want}. They are used and trained as they are (a "
-        f"{have} master copy). Convert them (policy.cast_to_param(params), or "
-        "the wrapped model's own init), or give those modules a rule with "
-        "their dtype.", UserWarning, stacklevel=_user_stacklevel())
-
-
 def variable_paths(variables) -> set[str]:
   """The module paths of a Linen model's variables (collection -> tree):
   every nested mapping in a collection is a module's (``""`` the model's)."""

@@ -31,7 +31,6 @@ from jmp_lite._flax_rules import state_dtype_hint
 from jmp_lite._flax_rules import tap_and_cast
 from jmp_lite._flax_rules import variable_paths
 from jmp_lite._flax_rules import warn_if_fp8_unplaced
-from jmp_lite._flax_rules import warn_param_dtypes
 from jmp_lite._flax_rules import warn_unmatched
 from jmp_lite._flax_rules import warn_if_bridged
 from jmp_lite._jaxpr import internals as _internals
@@ -287,8 +286,6 @@ class _LinenWrapper(nn.Module):
     wrapper, which sees both halves, checks."""
     if self.rules.paths and not self.prefix:
       warn_unmatched(self.rules, set(interceptor.seen) | variable_paths(self.variables))
-    if not self.is_initializing() and not self.rules.module_dtypes:
-      warn_param_dtypes(self.variables.get("params", {}), interceptor.seen)
 
   @nn.nowrap
   def init_with_output(self, rngs, *args, **kwargs):

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import functools
 import reprlib
+import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite import _guard_state
 from jmp_lite._jaxpr.passes import plan as _plan
 from jmp_lite import _checks
+from jmp_lite import _dtypes
 from jmp_lite import _replicas
 from jmp_lite import _scaled_grad
 from jmp_lite import _struct
@@ -197,6 +200,29 @@ def value_and_grad(
   return functools.wraps(fun)(wrapped)
 
 
+def _warn_narrow_params(apply_fn, params) -> None:
+  """Warns when the parameters are narrower than the ``param_dtype`` of the
+  wrapped model whose ``apply`` is ``apply_fn`` (`jmp_lite.flax.wrap`): a
+  bf16 checkpoint given to a ``p=f32`` model trains bf16 masters, the
+  README's pure-bf16 row, with nothing said. (With ``policy=``, `create`
+  casts them itself.)"""
+  owner = getattr(apply_fn, "__self__", None)
+  policy = getattr(getattr(owner, "rules", None), "policy", None)
+  if not isinstance(policy, Policy):
+    return
+  want = np.dtype(policy.param_dtype)
+  narrow = [(jax.tree_util.keystr(path), np.dtype(leaf.dtype))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+            if _dtypes.is_floating(leaf) and np.dtype(leaf.dtype).itemsize < want.itemsize]
+  if narrow:
+    warnings.warn(
+        f"TrainState.create: {len(narrow)} parameter(s) are narrower than the "
+        f"wrapped model's param_dtype {want}, e.g. params{narrow[0][0]} is "
+        f"{narrow[0][1]}: they would be trained as {narrow[0][1]} masters. Cast "
+        f"them (policy.cast_to_param(params)), pass policy=, or make them with "
+        "the wrapped model's init.", UserWarning, stacklevel=3)
+
+
 def _selection(fp8) -> Optional[_plan.Fp8Selection]:
   """Which matmuls an `jmp_lite.fp8.Fp8State` says are fp8 (None: no state)."""
   if fp8 is None:
@@ -327,6 +353,8 @@ class TrainState(flax.struct.PyTreeNode):
     params = _unscale.strongly_typed(_unscale.numbers_as_arrays(params))
     if policy is not None:
       params = policy.cast_to_param(params)
+    else:
+      _warn_narrow_params(apply_fn, params)
     if loss_scale is None:
       loss_scale = ls_lib.NoOpLossScale()
     axis_name = ls_lib._check_axis_name(axis_name, "TrainState.create")

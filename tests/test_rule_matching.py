@@ -143,24 +143,3 @@ def test_nnx_policy_map_lists_linen_modules_inside_a_bridge():
   assert str(listed["enc/LayerNorm_0"]) == "p=f32,c=f32,o=f32"  # default rule
   # Without inputs, the bridge is one row, as before.
   assert list(jflax.policy_map(wrapped)) == ["enc", "head", ""]
-
-
-def test_parameters_stored_in_another_dtype_than_the_policys_warn():
-  """A bf16 checkpoint given to a ``p=f32`` model trained as it was, bf16
-  masters without a word (the pure-bf16 row of the README's tables)."""
-  model = jflax.wrap(Model(), POLICY)
-  variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    model.apply(variables, jnp.ones((1, 3)))  # as made: silent
-  half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)
-  with pytest.warns(UserWarning, match=r"4 parameter\(s\) are stored in another dtype .* "
-                    r"'head/bias' is bfloat16 where the policy stores float32"):
-    model.apply(half, jnp.ones((1, 3)))
-  # A rule giving a module bf16 parameters makes its bf16 parameters right.
-  ruled = jflax.wrap(Model(), POLICY, rules={"layers_0/attention": "p=bf16,c=bf16,o=bf16"})
-  mixed = ruled.init(jax.random.key(0), jnp.ones((1, 3)))
-  assert mixed["params"]["layers_0"]["attention"]["kernel"].dtype == jnp.bfloat16
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    ruled.apply(mixed, jnp.ones((1, 3)))

@@ -337,3 +337,25 @@ def test_minimize_gives_the_loss_to_optimizers_that_read_it():
   assert_trees_bitwise_equal((ours.scale, ours.plateau_count, ours.count),
                              (theirs.scale, theirs.plateau_count, theirs.count))
   assert float(theirs.scale) == 0.25
+
+
+def test_create_warns_of_parameters_narrower_than_the_wrapped_models():
+  """A bf16 checkpoint given to a ``p=f32`` wrapped model trained bf16
+  masters with round-to-nearest Adam (the README's pure-bf16 row) without a
+  word. With ``policy=``, create casts them; made by the model's init, they
+  are right."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+  import jmp_lite.flax  # pylint: disable=g-import-not-at-top
+  model = jmp_lite.flax.wrap(nn.Dense(3), "p=f32,c=bf16,o=f32")
+  params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+  half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  with pytest.warns(UserWarning, match=r"2 parameter\(s\) are narrower than the wrapped "
+                    r"model's param_dtype float32, e.g. params\['bias'\] is bfloat16"):
+    jmp_lite.TrainState.create(apply_fn=model.apply, params=half, tx=optax.sgd(0.1))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jmp_lite.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+    state = jmp_lite.TrainState.create(apply_fn=model.apply, params=half, tx=optax.sgd(0.1),
+                                       policy="p=f32,c=bf16,o=f32")
+  assert state.params["kernel"].dtype == jnp.float32
