@@ -295,8 +295,10 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
           "TrainState.create was given an already wrapped tx); the loss would "
           "be unscaled twice. Wrap the optimizer once.")
     acc = () if k == 1 else jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), wide_dtype(p.dtype)) if is_inexact(p) else
-        jnp.zeros(jnp.shape(p), p.dtype), params)
+        # zeros_like: sharded as the parameter is (a full-size buffer on
+        # one device would hold a whole FSDP model).
+        lambda p: jnp.zeros_like(p, wide_dtype(p.dtype)) if is_inexact(p) else
+        jnp.zeros_like(p), params)
     return LossScaleState(
         loss_scale=loss_scale,
         inner_state=inner_state,

@@ -249,7 +249,8 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
                         f"{p!r}, not an array.")
       if not _is_low(p):
         return jnp.zeros((), jnp.float32)  # placeholder: nothing to compensate
-      return jnp.zeros(p.shape, p.dtype if dtype is None else dtype)
+      # zeros_like: sharded as the parameter is (FSDP).
+      return jnp.zeros_like(p, p.dtype if dtype is None else dtype)
     return KahanState(jax.tree_util.tree_map_with_path(zeros, params))
 
   def update(updates, state, params=None):

@@ -962,6 +962,43 @@ def test_fp8_maxima_under_jit_with_a_sharded_batch_are_global():
     np.testing.assert_array_equal(sharded[k], single[k])
 
 
+
+def test_fp8_maxima_of_an_overflowing_shard_are_nothing_seen_on_every_layout():
+  """An inf in one device's rows: one device reads the step's maxima as
+  non-finite and records 0; a sharded maximum dropped that shard's NaN and
+  recorded the other devices' finite maxima, so the fp8 state (and every
+  later scale) depended on the layout."""
+  xs, ys = _batches()
+  x, y = jnp.asarray(xs[0]).at[3, 2].set(jnp.inf), ys[0]  # row 3: the first shard only
+  step = jax.jit(lambda s, x, y: s.minimize(_fp8_loss, x, y)[0])
+  single = _newest(step(_fp8_state(x, y), x, y))
+  mesh = _mesh((N_DEVICES,), ("data",))
+  with jax.set_mesh(mesh):
+    xd = jax.device_put(x, NamedSharding(mesh, P("data")))
+    yd = jax.device_put(y, NamedSharding(mesh, P("data")))
+    sharded = _newest(step(_fp8_state(x, y), xd, yd))
+  for k in single:
+    np.testing.assert_array_equal(sharded[k], single[k])
+  assert float(single["mlp#2"][2]) == 0.0  # the output's gradient: nothing seen
+
+
+def test_kahan_and_accumulation_buffers_are_sharded_as_their_parameters():
+  """``jnp.zeros(shape)`` put the whole Kahan compensation and the
+  accumulated gradients on device 0 at ``init``, under FSDP a full copy of
+  the model on one device; ``optax.adam``'s moments (the oracle) follow the
+  parameters' sharding."""
+  mesh = _mesh((N_DEVICES,), ("fsdp",))
+  spec = NamedSharding(mesh, P("fsdp"))
+  params = {"w": jax.device_put(jnp.ones((64, 8), jnp.bfloat16), spec)}
+  assert optax.adam(1e-3).init(params)[0].mu["w"].sharding == spec
+  kahan = jo.kahan_summation().init(params)
+  acc = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.NoOpLossScale(),
+                           accumulate_steps=2).init(params)
+  for buffer in (kahan.compensation["w"], acc.acc_grads["w"]):
+    assert buffer.sharding == spec
+    assert buffer.addressable_shards[0].data.shape == (8, 8)
+
+
 # ------------------------------------------------------- per-module loss scales
 
 

@@ -94,8 +94,13 @@ def mark(recipe: Optional[str], path: str) -> str:
 
 def _amax(x) -> jax.Array:
   """max |x| of the values ``x`` holds (read through `_exact.widen`: XLA:GPU
-  may otherwise measure a bf16 value it kept in float32)."""
-  return jnp.max(jnp.abs(_exact.widen(x))).astype(jnp.float32)
+  may otherwise measure a bf16 value it kept in float32), inf if any is not
+  finite. A NaN is read as inf: a maximum split across devices (a sharded
+  ``jnp.max``) dropped one shard's NaN and kept the others' finite maxima,
+  where one device got NaN (recorded as 0, "nothing seen"), so the state
+  depended on the device layout; inf wins every maximum."""
+  v = jnp.abs(_exact.widen(x))
+  return jnp.max(jnp.where(jnp.isnan(v), jnp.inf, v)).astype(jnp.float32)
 
 
 def _non_finite(x, contract, batch) -> jax.Array:
