@@ -948,9 +948,9 @@ def test_fp8_maxima_are_max_reduced_across_devices_under_shard_map():
     assert sharded[k][2] == 8 * single[k][2] > 0
 
 
-def test_fp8_maxima_under_jit_with_a_sharded_batch_are_global():
-  xs, ys = _batches()
-  x, y = xs[0], ys[0]
+def _fp8_newest_on_one_device_and_sharded(x, y):
+  """The newest fp8 maxima of one jitted step on one device, and on a data
+  mesh of every device with the batch sharded."""
   step = jax.jit(lambda s, x, y: s.minimize(_fp8_loss, x, y)[0])
   single = _newest(step(_fp8_state(x, y), x, y))
   mesh = _mesh((N_DEVICES,), ("data",))
@@ -960,7 +960,12 @@ def test_fp8_maxima_under_jit_with_a_sharded_batch_are_global():
     sharded = _newest(step(_fp8_state(x, y), xd, yd))
   for k in single:
     np.testing.assert_array_equal(sharded[k], single[k])
+  return single
 
+
+def test_fp8_maxima_under_jit_with_a_sharded_batch_are_global():
+  xs, ys = _batches()
+  _fp8_newest_on_one_device_and_sharded(xs[0], ys[0])
 
 
 def test_fp8_maxima_of_an_overflowing_shard_are_nothing_seen_on_every_layout():
@@ -969,16 +974,8 @@ def test_fp8_maxima_of_an_overflowing_shard_are_nothing_seen_on_every_layout():
   recorded the other devices' finite maxima, so the fp8 state (and every
   later scale) depended on the layout."""
   xs, ys = _batches()
-  x, y = jnp.asarray(xs[0]).at[3, 2].set(jnp.inf), ys[0]  # row 3: the first shard only
-  step = jax.jit(lambda s, x, y: s.minimize(_fp8_loss, x, y)[0])
-  single = _newest(step(_fp8_state(x, y), x, y))
-  mesh = _mesh((N_DEVICES,), ("data",))
-  with jax.set_mesh(mesh):
-    xd = jax.device_put(x, NamedSharding(mesh, P("data")))
-    yd = jax.device_put(y, NamedSharding(mesh, P("data")))
-    sharded = _newest(step(_fp8_state(x, y), xd, yd))
-  for k in single:
-    np.testing.assert_array_equal(sharded[k], single[k])
+  x = jnp.asarray(xs[0]).at[3, 2].set(jnp.inf)  # row 3: the first shard only
+  single = _fp8_newest_on_one_device_and_sharded(x, ys[0])
   assert float(single["mlp#2"][2]) == 0.0  # the output's gradient: nothing seen
 
 
