@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -188,12 +189,33 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState:
     raise ValueError(
         f"Expected exactly one jmp_lite.optax.with_loss_scale state in opt_state, "
         f"found {len(found)} in {jax.tree_util.tree_structure(opt_state)}.")
+  _warn_if_chained_after(opt_state)
   # `nnx.Optimizer` holds each array of its optax state in a Variable
   # (`OptArray`, a pytree node): read as the arrays an optax state holds, so
   # that ``.skipped`` is a flag `jmp_lite.select_tree` and `lax.cond` take.
   wrapped = lambda x: hasattr(x, "__jax_array__") and not isinstance(x, jax.Array)
   return jax.tree.map(lambda x: jnp.asarray(x) if wrapped(x) else x, found[0],
                       is_leaf=wrapped)
+
+
+def _warn_if_chained_after(opt_state: Any) -> None:
+  """Warns when ``with_loss_scale`` is not first in an ``optax.chain`` (whose
+  state is a plain tuple): the transformations before it receive the
+  scaled gradients (``optax.chain(optax.clip_by_global_norm(1.0),
+  with_loss_scale(...))`` clips the gradients times 2**15, then unscales:
+  steps 2**15 times too small)."""
+  if type(opt_state) is not tuple:  # pylint: disable=unidiomatic-typecheck
+    return
+  has = lambda tree: any(isinstance(x, LossScaleState) for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, LossScaleState)))
+  position = next((i for i, part in enumerate(opt_state) if has(part)), 0)
+  if position > 0:
+    warnings.warn(
+        f"with_loss_scale is chained after {position} other transformation(s): "
+        "they receive the scaled gradients (a clip by global norm would clip "
+        "them loss-scale times too much). Put it first (outermost): give the "
+        "others to it as its inner optimizer, and clip with clip_norm=.",
+        UserWarning, stacklevel=3)
 
 
 def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:

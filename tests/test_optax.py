@@ -228,12 +228,14 @@ def test_composes_with_inject_hyperparams_and_chain():
       lambda learning_rate: jo.with_loss_scale(optax.sgd(learning_rate),
                                                jmp_lite.DynamicLossScale(8.0)))(
                                                    learning_rate=0.5)
-  tx = optax.chain(optax.identity(), tx)
+  # First in the chain: a transformation before it would see scaled
+  # gradients (`test_a_loss_scale_chained_after_other_transformations_warns`).
+  tx = optax.chain(tx, optax.identity())
   opt_state = tx.init(params)
   assert float(jo.get_loss_scale(opt_state).loss_scale) == 8.0
   updates, opt_state = jax.jit(tx.update)({"w": jnp.ones(3) * 8.0}, opt_state, params)
   np.testing.assert_allclose(updates["w"], -0.5)
-  opt_state[1].hyperparams["learning_rate"] = jnp.asarray(0.25)
+  opt_state[0].hyperparams["learning_rate"] = jnp.asarray(0.25)
   updates, _ = jax.jit(tx.update)({"w": jnp.ones(3) * 8.0}, opt_state, params)
   np.testing.assert_allclose(updates["w"], -0.25)
 
@@ -331,3 +333,20 @@ def test_apply_if_finite_around_the_guard_is_refused(dtype):
     optax.chain(optax.apply_if_finite(optax.chain(optax.identity(), tx), 3)).init(params)
   jo.with_loss_scale(optax.apply_if_finite(optax.sgd(0.1), 3),
                      jmp_lite.NoOpLossScale()).init(params)
+
+
+def test_a_loss_scale_chained_after_other_transformations_warns():
+  """``optax.chain(clip_by_global_norm(1.0), with_loss_scale(...))`` clipped
+  the scaled gradients and then unscaled them: steps 2**15 times too small
+  (w moved 3.0 -> 2.9999986, where clip_norm= inside gives 2.95)."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  params = {"w": jnp.full((4,), 3.0)}
+  ls = jmp_lite.DynamicLossScale(2.0 ** 15)
+  after = optax.chain(optax.clip_by_global_norm(1.0), jo.with_loss_scale(optax.sgd(0.1), ls))
+  with pytest.warns(UserWarning, match="chained after 1 other transformation"):
+    jo.get_loss_scale(after.init(params))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    first = optax.chain(jo.with_loss_scale(optax.sgd(0.1), ls), optax.identity())
+    jo.get_loss_scale(first.init(params))
+    jo.get_loss_scale(jo.with_loss_scale(optax.sgd(0.1), ls, clip_norm=1.0).init(params))
