@@ -114,11 +114,17 @@ def frexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return m, jnp.where(normal, field - 126, 0)
 
 
+def _zero_or_subnormal(x: jax.Array) -> jax.Array:
+  """float32 ``x`` is 0 or subnormal, from its bits (no float compare)."""
+  magnitude = jax.lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF
+  return magnitude < 0x00800000
+
+
 def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   """``a / b`` correctly rounded (to nearest, ties to even), on every backend.
 
   float32 results below the smallest normal are flushed to 0, as XLA flushes
-  them on CPUs and GPUs anyway. Zeros, infinities and NaN divide as IEEE
+  them on CPUs and GPUs anyway, and subnormal operands read as 0. Zeros, infinities and NaN divide as IEEE
   says. float64 divides as it is: XLA:GPU's
   float64 division is IEEE.
 
@@ -160,11 +166,15 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
   out = ldexp(mant.astype(jnp.float32), exp, jnp.float32)
   out = jnp.where(out < jnp.finfo(jnp.float32).tiny, 0.0, out)
   negative = jnp.signbit(a) != jnp.signbit(b)
-  # IEEE's special cases, spelled out so that no float division is left.
-  nan = (jnp.isnan(a) | jnp.isnan(b) | (jnp.isinf(a) & jnp.isinf(b))
-         | ((a == 0) & (b == 0)))
-  inf = (jnp.isinf(a) | (b == 0)) & ~nan
-  zero = ((a == 0) | jnp.isinf(b)) & ~nan
+  # IEEE's special cases, spelled out so that no float division is left. A
+  # subnormal operand counts as 0, read from the bits: `frexp` gives it no
+  # significand, and whether ``b == 0`` holds for one depends on the
+  # backend (XLA:CPU flushes it in the compare, XLA:GPU does not): on an
+  # H200, 448 / 1e-40 came out as 896, the long division of 448 by 0.
+  za, zb = _zero_or_subnormal(a), _zero_or_subnormal(b)
+  nan = jnp.isnan(a) | jnp.isnan(b) | (jnp.isinf(a) & jnp.isinf(b)) | (za & zb)
+  inf = (jnp.isinf(a) | zb) & ~nan
+  zero = (za | jnp.isinf(b)) & ~nan
   out = jnp.where(zero, 0.0, jnp.where(inf, jnp.inf, out))
   out = jnp.where(negative, -out, out)
   return jnp.where(nan, jnp.nan, out)

@@ -164,3 +164,22 @@ def test_lowering_is_chosen_per_platform_at_export():
   want = lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
                          precision=lax.Precision.HIGHEST)
   np.testing.assert_allclose(exported.call(a, b), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, preset, dropped", [
+    (jnp.float16, "F16_F16_F32", True), (jnp.bfloat16, "BF16_BF16_F32", True),
+    (jnp.bfloat16, "F32_F32_F32", False)])
+def test_a_preset_naming_the_default_is_dropped_for_gpus(dtype, preset, dropped):
+  """NNX's float16 attention asks for ``F16_F16_F32``; XLA:GPU refused a
+  decoding step's 1 x 4 by 4 x 4 batched product that carried it
+  ("Unsupported dot precision algorithm: 4", an H200) and runs the same
+  product without it, which is what the preset names for float16 operands
+  and float32 results. A preset asking for more than the operands give stays."""
+  lhs = jax.ShapeDtypeStruct((1, 1, 2, 1, 4), dtype)
+  rhs = jax.ShapeDtypeStruct((1, 4, 2, 4), dtype)
+  dims = (((4,), (3,)), ((0, 2), (0, 2)))
+  alg = getattr(lax.DotAlgorithmPreset, preset)
+  fun = jax.jit(lambda a, b: dot_general_f32(a, b, dims, precision=alg))
+  text = jax.export.export(fun, platforms=("cuda",))(lhs, rhs).mlir_module()
+  assert text.count("stablehlo.dot_general") == 1
+  assert ("algorithm" not in text) == dropped, text

@@ -530,7 +530,10 @@ def test_a_large_pooling_window_sums_in_float32():
   pool = lambda x, w, window: lax.reduce_window(  # pylint: disable=unnecessary-lambda-assignment
       (x @ w) / 9, 0.0, lax.add, window, (1, 1), "VALID")
   big = jax.jit(autocast(lambda x, w: pool(x, w, (64, 16)), jnp.bfloat16))(x, w)
-  np.testing.assert_allclose(big, pool(x, w, (64, 16)), rtol=1e-6)
+  # Each term is a bf16 quotient (8/9 rounds to 0.890625: the sum is 968)
+  # or, where XLA:CPU keeps the quotient in float32, the float32 one
+  # (967.11); a bf16 sum stalls near 512.
+  np.testing.assert_allclose(big, pool(x, w, (64, 16)), rtol=2.0 ** -8)
   report = audit(autocast(lambda x, w: pool(x, w, (2, 2)), jnp.bfloat16), x, w)
   assert not report.count(primitive="reduce_window_sum", operand_dtype="f32")
 
@@ -616,6 +619,10 @@ def test_solve_on_bf16_operands_runs():
   rng = np.random.default_rng(0)
   a = jnp.asarray(rng.normal(size=(6, 6)) + 4 * np.eye(6), jnp.bfloat16)
   b = jnp.asarray(rng.normal(size=(6,)), jnp.bfloat16)
+  try:
+    jax.make_jaxpr(jnp.linalg.solve)(a, b)
+  except TypeError as e:  # JAX 0.11's lu: "lu does not accept dtype bfloat16"
+    pytest.skip(f"this JAX refuses the function itself at trace time: {e}")
   got = autocast(jnp.linalg.solve, jnp.bfloat16)(a, b)
   want = jnp.linalg.solve(a.astype(jnp.float32), b.astype(jnp.float32))
   assert got.dtype == jnp.bfloat16

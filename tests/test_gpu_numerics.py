@@ -116,6 +116,24 @@ def test_divide_is_correctly_rounded():
   assert same.all(), (a[~same][:5], b[~same][:5], got[~same][:5], want[~same][:5])
 
 
+def test_divide_reads_a_subnormal_operand_as_zero_on_every_backend():
+  """On an H200, 448 / 1e-40 came out as 896 (the long division of 448 by
+  the 0 that `frexp` makes of a subnormal), where XLA:CPU gave inf: its
+  ``b == 0`` flushed the subnormal, XLA:GPU's did not. fp8's delayed scaling
+  divides its format's max by the amax, so a subnormal amax got the scale
+  of an amax of 0.5. Oracle: IEEE division of the operands flushed to 0
+  (numpy), eagerly and jitted."""
+  sub = np.float32(1e-40)
+  a = np.float32([448, -448, sub, sub, -sub, 0, 3, np.inf])
+  b = np.float32([sub, sub, 3, sub, np.inf, sub, -sub, sub])
+  flush = lambda x: np.where(np.abs(x) < F32_TINY, np.copysign(np.float32(0), x), x)
+  with np.errstate(all="ignore"):
+    want = (flush(a) / flush(b)).astype(np.float32)
+  for divide in (_exact.divide, jax.jit(_exact.divide)):
+    got = np.asarray(divide(a, b))
+    assert _bits_equal(got, want).all(), (got, want)
+
+
 def test_divide_compiles_to_one_kernel():
   """No integer division either: XLA will not duplicate one into its readers,
   so each became a kernel of its own (7 for one division on XLA:CPU), and

@@ -82,7 +82,12 @@ def test_the_checked_step_needs_no_memory_beyond_the_unchecked_one(dtype, monkey
   copied = temp_bytes(jo.with_loss_scale(optax.adam(1e-3), ls))
   monkeypatch.setattr(_checks, "COPY_FROM", 10 ** 12)  # check the results
   on_results = temp_bytes(jo.with_loss_scale(optax.adam(1e-3), ls))
-  assert copied <= gradients_only, (copied, gradients_only)
+  # XLA:GPU writes the checks' per-element flags of a group of same-shape
+  # arrays (a byte per element and flag) before reducing them: on an H200,
+  # 527,592 bytes more than gradients-only, under one float32 array of
+  # the 8 that checking the results keeps.
+  extra = 0 if jax.default_backend() == "cpu" else 2 * N * 4 * 1.01
+  assert copied <= gradients_only + extra, (copied, gradients_only)
   # At least one array-sized result per array, kept for the check.
   assert on_results >= gradients_only + 8 * 2 * N * 4, (on_results, gradients_only)
 
@@ -125,7 +130,18 @@ def test_the_copy_decides_as_the_results_do_bit_for_bit(dtype, monkeypatch):
   copied = _trajectory(dtype, make)
   monkeypatch.setattr(_checks, "COPY_FROM", 10 ** 12)
   on_results = _trajectory(dtype, make)
-  assert_trees_bitwise_equal(copied, on_results)
+  # The gradients' norm is a sum, whose order XLA:GPU chooses per program
+  # (the two paths differed in its last bit on an H200): bitwise where XLA
+  # keeps one order (the CPU), to float32's rounding elsewhere. It decides
+  # nothing here (no clipping).
+  norms = lambda run: np.array([float(s.grad_norm) for _, s in run])
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(norms(copied), norms(on_results))
+  else:
+    np.testing.assert_allclose(norms(copied), norms(on_results), rtol=2.0 ** -20)
+  without_norm = lambda run: [(p, s._replace(grad_norm=jnp.zeros_like(s.grad_norm)))
+                              for p, s in run]
+  assert_trees_bitwise_equal(without_norm(copied), without_norm(on_results))
   skipped = [bool(jo.find_loss_scale_state(s).skipped) for _, s in copied]
   # Step 3 overflows only in float16 (bfloat16 and float32 hold -8e4).
   assert skipped == [False, True, False, dtype == jnp.float16, True, False], skipped

@@ -107,8 +107,10 @@ def _module_grads(wrapped, x, y):
 def test_conversions_are_exact_where_nothing_leaves_the_range(model):
   """Float32 compute, scales from 2**-20 to 2**20: the float32 gradients of
   the unwrapped model, through nesting, a chain, a module called twice and
-  a residual sum. Bitwise along a chain; where cotangents from several
-  consumers add up, their sum may associate differently (an ulp)."""
+  a residual sum. Bitwise along a chain on a CPU; where cotangents from
+  several consumers add up, or on a GPU, whose XLA orders a bias gradient's
+  sum over the batch per program (an H200: 4e-8 apart), a sum may associate
+  differently (an ulp)."""
   x, y = _data()
   params = model.init(jax.random.PRNGKey(2), x)
   wrapped = jmp_lite.flax.wrap(model, "p=f32,c=f32,o=f32")
@@ -124,7 +126,7 @@ def test_conversions_are_exact_where_nothing_leaves_the_range(model):
                           jax.tree.leaves(want)):
     assert a.dtype == b.dtype == jnp.float32, path
     a, b = np.asarray(a), np.asarray(b)
-    if not isinstance(model, ChainAndResidual):
+    if not isinstance(model, ChainAndResidual) and jax.default_backend() == "cpu":
       np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
     else:
       np.testing.assert_allclose(a, b, rtol=0, atol=2.0 ** -21 * np.abs(b).max(),

@@ -129,7 +129,12 @@ def test_the_measures_are_the_float16_backward_pass():
     under += int(np.sum(a < F16.smallest_normal))
     nonzero += a.size
     cts.append(float(a.max(initial=0)))
-  np.testing.assert_allclose(float(stats.cotangent_underflow), under / nonzero, rtol=1e-6)
+  # The oracle is another program: on a GPU a cotangent that underflows to
+  # 0 in one can stay a tiny non-zero in the other (an H200: 1726 of 2113
+  # against 1725 of 2112).
+  slack = 0 if jax.default_backend() == "cpu" else 8 / nonzero
+  np.testing.assert_allclose(float(stats.cotangent_underflow), under / nonzero, rtol=1e-6,
+                             atol=slack)
   np.testing.assert_allclose(float(stats.cotangent_headroom), float(F16.max) / max(cts),
                              rtol=1e-3)
 

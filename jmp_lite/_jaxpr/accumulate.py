@@ -114,9 +114,19 @@ def _abstract_eval(prim):
   return rule
 
 
+# Presets naming XLA's default for 16-bit operands of their type and float32
+# results, dropped: XLA:GPU has no kernel for some (NNX's float16 decoding).
+_DEFAULT_16BIT = {"F16_F16_F32": np.float16, "BF16_BF16_F32": jnp.bfloat16}
+
+
 def _reference(prim, lhs, rhs, *, out_dtype, reduce_dtype, **params):
   """What ``prim`` computes, as written: the lowering on other platforms."""
   params["preferred_element_type"] = _partial_sum_dtype(out_dtype, reduce_dtype)
+  precision = params.get("precision")
+  if (prim is dot_p and isinstance(precision, lax.DotAlgorithmPreset)
+      and params["preferred_element_type"] == F32
+      and lhs.dtype == rhs.dtype == _DEFAULT_16BIT.get(precision.name)):
+    params["precision"] = None
   return lax.convert_element_type(BASE[prim].bind(lhs, rhs, **params),
                                   out_dtype)
 
@@ -204,21 +214,15 @@ _CPU_PRESETS = frozenset({"DEFAULT", "F16_F16_F16", "F32_F32_F32",
 
 
 def cpu_refuses(precision) -> bool:
-  """Whether XLA:CPU has no kernel for the dot algorithm ``precision`` names.
-
-  ``jax.nn.dot_product_attention`` asks for ``F16_F16_F32`` on float16
-  queries, so any float16 attention (NNX's, by default) fails to compile on
-  CPU: its fallback catches errors at trace time, not at lowering.
-  """
+  """Whether XLA:CPU has no kernel for the dot algorithm ``precision`` names
+  (``F16_F16_F32``: ``jax.nn.dot_product_attention``'s on float16 queries)."""
   return (isinstance(precision, lax.DotAlgorithmPreset)
           and precision.name not in _CPU_PRESETS)
 
 
 def _cpu_dot(lhs, rhs, *, partitioned, out_dtype, reduce_dtype,
              dimension_numbers, precision, preferred_element_type, out_sharding):
-  if cpu_refuses(precision):
-    # F16_F16_F32 is what the default algorithm does with float16 operands and
-    # ``preferred_element_type=float32``; other platforms keep the preset.
+  if cpu_refuses(precision):  # F16_F16_F32: the default with float32 results
     precision = None
   del preferred_element_type  # float32, or narrower by ``reduce_dtype``
   given = lhs
