@@ -778,6 +778,22 @@ def test_hlo_jit_sharded_gradient_all_reduce_is_in_reduce_dtype(reduce_dtype):
     assert after and all(d == "f32" and not promoted for d, promoted in after), after
 
 
+def test_hlo_jit_sharded_bf16_stored_params_all_reduce_in_float32():
+  # p=bf16: no downcast to move past the bias's broadcast, so the engine
+  # upcasts the bias exactly before it; its partial sums cross devices in
+  # float32, as the weights' (float32 dot outputs) do, and are rounded once.
+  # Before, the bias's all-reduce ran in bf16.
+  policy = jmp_lite.Policy(jnp.bfloat16, jnp.bfloat16, jnp.float32)
+  grad, (params, x, y) = _jit_sharded_gradient(policy)
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  ops = distributed.collectives(grad, params, x, y)
+  reductions = [op for op in ops if op.kind in ("all-reduce", "reduce-scatter")]
+  assert len(reductions) == 3 and len(ops) == 3, ops
+  assert {op.dtype for op in reductions} == {np.dtype(jnp.float32)}, ops
+  got = jax.jit(grad)(params, x, y)
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(got))
+
+
 def test_hlo_jit_sharded_plain_grad_all_reduces_in_the_compute_dtype():
   # The limit the engine removes: jax.grad of a step that casts with
   # cast_to_compute itself gets its gradients all-reduced in bf16.
