@@ -38,7 +38,9 @@ class LossScaleState(NamedTuple):
   Attributes:
     loss_scale: the loss scale to scale the next loss with.
     inner_state: the wrapped optimizer's state (frozen on skipped steps).
-    skipped: bool, whether the last completed step was skipped.
+    skipped: bool, whether the last call's gradients were discarded: the
+      step it completed was skipped, or (with ``accumulate_steps``, on a call
+      that only accumulates) its micro-batch overflowed and was dropped.
     skipped_steps: int32, how many steps were skipped so far.
     grad_norm: global norm of the last applied step's unscaled gradients,
       before clipping (float32; float64 when a gradient is float64). A

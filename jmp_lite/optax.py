@@ -180,8 +180,12 @@ def with_loss_scale(
       any finite norm, including norms beyond float32's range.
     accumulate_steps: number of micro-batches whose gradients are summed
       (averaged) into one step. Updates are zero on the other calls. An
-      overflow in any micro-batch skips the whole accumulated step. Use this
-      rather than wrapping in ``optax.MultiSteps``, which is refused.
+      overflow in any micro-batch skips the whole accumulated step; on the
+      call it overflows, ``LossScaleState.skipped`` is True (its batch was
+      dropped: keep the old BatchNorm statistics). A state restored in the
+      middle of a longer accumulation ends it at the next call, averaged
+      over the micro-batches it holds. Use this rather than wrapping in
+      ``optax.MultiSteps``, which is refused.
     axis_name: under ``shard_map``/``pmap``, the mesh axis (or axes) across
       which replicas must agree to skip: one replica's overflow skips the
       step everywhere. Not needed under ``jax.jit`` with sharded arrays, where
@@ -420,8 +424,11 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
                      _guard_state.finish_measures(acc_measures, measured, k))
 
     def emit():
-      updates, new_state = step(acc, state, params, extra_args, scale * k, acc_finite,
-                                step_measured)
+      # The micro-batches summed: k, or more in a state restored from a run
+      # with a larger accumulate_steps (which ends here, averaged over them).
+      count = (state.mini_step + 1).astype(jnp.float32)
+      updates, new_state = step(acc, state, params, extra_args, scale * count,
+                                acc_finite, step_measured)
       fresh = jax.tree.map(jnp.zeros_like, acc)
       return updates, new_state._replace(
           mini_step=jnp.zeros((), jnp.int32), acc_grads=fresh, acc_finite=jnp.array(True),
@@ -429,11 +436,16 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
               tuple(acc_measures), state.loss_scale))
 
     def wait():
+      # ``skipped`` says whether this call's batch was dropped (what a
+      # BatchNorm step selects its statistics with), not a stale flag of the
+      # last completed step.
       return _no_op_updates(emit), state._replace(
           mini_step=state.mini_step + 1, acc_grads=acc, acc_finite=acc_finite,
-          acc_measures=acc_measures)
+          acc_measures=acc_measures, skipped=~ok)
 
-    return jax.lax.cond(state.mini_step == k - 1, emit, wait)
+    # ``>=``: a restored mini_step past k - 1 ends the accumulation instead
+    # of never matching again (no update ever after, and no skip counted).
+    return jax.lax.cond(state.mini_step >= k - 1, emit, wait)
 
   jitted_update = jax.jit(traced_update)
   return optax.GradientTransformationExtraArgs(init, update)

@@ -95,7 +95,11 @@ class StepInfo(NamedTuple):
   With ``accumulate_steps=k``, a call that only accumulates its micro-batch
   took no step: its ``skipped`` is False (summed over calls, ``skipped``
   counts what ``skipped_steps`` counts), and ``grad_norm``, ``nonfinite``
-  and ``stalled`` are those of the last completed step.
+  and ``stalled`` are those of the last completed step. ``dropped`` says
+  whether this call's batch went unused, on every call: its step was
+  skipped, or its micro-batch overflowed and was left out of the sum. Keep
+  what the forward pass wrote for a dropped batch out of the model
+  (``jmp_lite.select_tree(info.dropped, old_batch_stats, new_batch_stats)``).
   """
 
   loss: jax.Array  # unscaled
@@ -108,6 +112,8 @@ class StepInfo(NamedTuple):
   precision: Optional[telemetry_lib.PrecisionStats] = None
   # consecutive steps skipped with finite gradients (`LossScaleState.stalled`)
   stalled: Optional[jax.Array] = None
+  # bool: this call's batch was not used (`LossScaleState.skipped`)
+  dropped: Optional[jax.Array] = None
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -325,4 +331,4 @@ class TrainState(flax.struct.PyTreeNode):
     return new, StepInfo(loss=loss, aux=aux, skipped=skipped,
                          loss_scale=used_scale, grad_norm=info.grad_norm,
                          nonfinite=info.nonfinite, precision=stats,
-                         stalled=info.stalled)
+                         stalled=info.stalled, dropped=info.skipped)

@@ -222,6 +222,56 @@ def test_accumulation_skips_the_whole_step_when_any_micro_batch_overflows(jit):
   assert all(bool(jnp.all(a == 0)) for a in jax.tree.leaves(state.acc_grads))
 
 
+@JIT
+def test_skipped_says_on_every_micro_batch_whether_it_was_dropped(jit):
+  """With accumulation, a call that only accumulated left ``skipped`` as the
+  last completed step had it: an overflowing micro-batch read False (its
+  BatchNorm statistics, selected with it as the README does, were kept:
+  NaN in the model for good) and a healthy one after a skipped step read
+  True. Now it is this call's: dropped or not. The count of skipped steps
+  is unchanged."""
+  k = 2
+  params = {"w": jnp.zeros(2)}
+  tx = jo.with_loss_scale(optax.sgd(0.1), jmp_lite.StaticLossScale(1.0), accumulate_steps=k)
+  opt_state = tx.init(params)
+  update = _maybe_jit(tx.update, jit)
+  bad, good = jnp.array([jnp.inf, 0.0]), jnp.ones(2)
+  seen = []
+  for g in (good, good, bad, good, good, good):
+    _, opt_state = update({"w": g}, opt_state, params)
+    state = jo.find_loss_scale_state(opt_state)
+    seen.append((int(state.mini_step), bool(state.skipped)))
+  # The overflowing micro-batch (call 2) is dropped and skips its step (3);
+  # the healthy micro-batch after it (4) is used.
+  assert seen == [(1, False), (0, False), (1, True), (0, True), (1, False), (0, False)], seen
+  assert int(state.skipped_steps) == 1
+
+
+@JIT
+def test_a_state_restored_past_its_accumulation_ends_it_at_the_next_call(jit):
+  """A state saved after 3 micro-batches of accumulate_steps=4, restored
+  into accumulate_steps=2 (the same tree: orbax and msgpack accept it):
+  ``mini_step == k - 1`` never held again, and no update was ever applied,
+  nor a skip counted. Now the next call ends the accumulation, averaged
+  over the 4 micro-batches. Oracle: optax.sgd on the mean of the gradients."""
+  params = {"w": jnp.zeros(2)}
+  grads = [jnp.array([1.0, 2.0]), jnp.array([3.0, 0.0]), jnp.array([2.0, 2.0]),
+           jnp.array([6.0, 4.0])]
+  make = lambda k: jo.with_loss_scale(optax.sgd(0.5), jmp_lite.StaticLossScale(4.0),
+                                      accumulate_steps=k)
+  long_tx, short_tx = make(4), make(2)
+  opt_state = long_tx.init(params)
+  for g in grads[:3]:
+    _, opt_state = long_tx.update({"w": g * 4.0}, opt_state, params)
+  assert int(jo.find_loss_scale_state(opt_state).mini_step) == 3
+  updates, opt_state = _maybe_jit(short_tx.update, jit)({"w": grads[3] * 4.0}, opt_state,
+                                                         params)
+  state = jo.find_loss_scale_state(opt_state)
+  assert int(state.mini_step) == 0 and not bool(state.skipped)
+  want, _ = optax.sgd(0.5).update({"w": sum(grads) / 4}, optax.sgd(0.5).init(params))
+  np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-6)
+
+
 def test_composes_with_inject_hyperparams_and_chain():
   params = {"w": jnp.ones(3)}
   tx = optax.inject_hyperparams(

@@ -359,3 +359,50 @@ def test_create_warns_of_parameters_narrower_than_the_wrapped_models():
     state = jmp_lite.TrainState.create(apply_fn=model.apply, params=half, tx=optax.sgd(0.1),
                                        policy="p=f32,c=bf16,o=f32")
   assert state.params["kernel"].dtype == jnp.float32
+
+
+@pytest.mark.usefixtures("standard_promotion")  # optax's Adam: b1 ** count
+def test_dropped_keeps_an_overflowing_micro_batchs_batch_stats_out():
+  """Linen BatchNorm under ``accumulate_steps=2``, statistics selected with
+  ``info.dropped``: the micro-batch that overflows float16 (call 2, which
+  only accumulates) is dropped with its statistics, the healthy ones are
+  kept. ``info.skipped`` (False on such a call, by design: it counts skipped
+  steps) kept NaN statistics in the model for good."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jmp_lite.flax  # pylint: disable=g-import-not-at-top
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.BatchNorm(use_running_average=False)(nn.Dense(16)(x))
+      return nn.Dense(2)(nn.relu(x))
+
+  model = jmp_lite.flax.wrap(Net(), "p=f32,c=f16,o=f32")
+  x, y = jax.random.normal(jax.random.key(1), (32, 8)), jnp.zeros((32, 2))
+  variables = model.init(jax.random.key(0), x)
+  state = jmp_lite.TrainState.create(
+      apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-3),
+      loss_scale=jmp_lite.DynamicLossScale(2.0 ** 10), accumulate_steps=2)
+
+  @jax.jit
+  def step(state, stats, x):
+    def loss_fn(p):
+      out, new = model.apply({"params": p, "batch_stats": stats}, x,
+                             mutable=["batch_stats"])
+      return jnp.mean((out - y) ** 2), new["batch_stats"]
+    state, info = state.minimize(loss_fn, has_aux=True)
+    return state, jmp_lite.select_tree(info.dropped, stats, info.aux), info
+
+  stats, seen = variables["batch_stats"], []
+  for xb in (x, x, x * 1e5, x, x + 1.0, x):
+    before = stats
+    state, stats, info = step(state, stats, xb)
+    finite = all(bool(jnp.all(jnp.isfinite(s))) for s in jax.tree.leaves(stats))
+    changed = any(bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(stats),
+                                                       jax.tree.leaves(before)))
+    seen.append((bool(info.dropped), bool(info.skipped), finite, changed))
+  # (dropped, skipped, stats finite, stats changed) per call: the overflow
+  # (2) and the step it skips (3) keep the statistics as they were.
+  assert seen == [(False, False, True, True), (False, False, True, True),
+                  (True, False, True, False), (True, True, True, False),
+                  (False, False, True, True), (False, False, True, True)], seen
