@@ -197,11 +197,16 @@ def restore(raw: Any, target: Any) -> Any:
   restore into, concrete or abstract (``jax.eval_shape``), holding
   `Fp8State` anywhere (a `jmp_lite.TrainState`, its ``opt_state``...).
   Every other leaf is taken as saved, checked against ``target``'s shape and
-  converted to its dtype.
+  converted to its dtype. Each leaf is placed on the target's sharding where
+  it has one (an abstract target laid out for the restoring mesh), and a
+  leaf spanning other processes' devices is read as it is: every process
+  calls ``restore``, as with orbax.
 
   Raises:
-    ValueError: a leaf missing or of another shape, a checkpoint of a newer
-      schema, or fp8 sites that differ (names or layers), naming the path.
+    ValueError: a leaf missing or of another shape, a value the target has
+      no place for (a loss scale or optimizer state the target lacks), a
+      checkpoint of a newer schema, or fp8 sites that differ (names or
+      layers), naming the path.
 
   Example:
     >>> import jax.numpy as jnp

@@ -45,20 +45,27 @@ __all__ = (
     "TrainState",
 )
 
+def _narrow_params(apply_fn, params) -> tuple[Any, list]:
+  """The ``param_dtype`` of the wrapped model whose ``apply`` is ``apply_fn``
+  (`jmp_lite.flax.wrap`; None for another function), and ``(path, dtype)``
+  of the parameters narrower than it."""
+  owner = getattr(apply_fn, "__self__", None)
+  policy = getattr(getattr(owner, "rules", None), "policy", None)
+  if not isinstance(policy, Policy):
+    return None, []
+  want = np.dtype(policy.param_dtype)
+  return want, [(jax.tree_util.keystr(path), np.dtype(leaf.dtype))
+                for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+                if _dtypes.is_floating(leaf) and np.dtype(leaf.dtype).itemsize < want.itemsize]
+
+
 def _warn_narrow_params(apply_fn, params) -> None:
   """Warns when the parameters are narrower than the ``param_dtype`` of the
   wrapped model whose ``apply`` is ``apply_fn`` (`jmp_lite.flax.wrap`): a
   bf16 checkpoint given to a ``p=f32`` model trains bf16 masters, the
   README's pure-bf16 row, with nothing said. (With ``policy=``, `create`
-  casts them itself.)"""
-  owner = getattr(apply_fn, "__self__", None)
-  policy = getattr(getattr(owner, "rules", None), "policy", None)
-  if not isinstance(policy, Policy):
-    return
-  want = np.dtype(policy.param_dtype)
-  narrow = [(jax.tree_util.keystr(path), np.dtype(leaf.dtype))
-            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-            if _dtypes.is_floating(leaf) and np.dtype(leaf.dtype).itemsize < want.itemsize]
+  casts them itself; `TrainState.minimize` then refuses them.)"""
+  want, narrow = _narrow_params(apply_fn, params)
   if narrow:
     warnings.warn(
         f"TrainState.create: {len(narrow)} parameter(s) are narrower than the "
@@ -68,14 +75,26 @@ def _warn_narrow_params(apply_fn, params) -> None:
         "the wrapped model's init.", UserWarning, stacklevel=3)
 
 
-def _check_param_dtypes(params: Any, policy: Optional[Policy]) -> None:
+def _check_param_dtypes(params: Any, policy: Optional[Policy], apply_fn=None) -> None:
   """Raises if a parameter left the policy's param dtype since `TrainState.create`.
 
   ``create`` casts them; one that differs now was replaced or restored (from
   a checkpoint, into the wrong target) in another dtype, and would otherwise
-  train silently with bf16 master weights.
+  train silently with bf16 master weights. Without ``policy``, the wrapped
+  model's (``apply_fn``'s) ``param_dtype`` is the reference: parameters
+  narrower than it are refused (`TrainState.create` warned of them).
   """
   if policy is None:
+    want, narrow = _narrow_params(apply_fn, params)
+    if narrow:
+      path, dtype = narrow[0]
+      raise TypeError(
+          f"TrainState.minimize: parameter {path or '(root)'} is {dtype.name}, "
+          f"narrower than the wrapped model's param_dtype {want.name} "
+          f"({len(narrow)} such parameter(s)): they would be trained as "
+          f"{dtype.name} master weights. A checkpoint restored into a target "
+          "of another dtype does this; restore into jax.eval_shape of "
+          "TrainState.create(...), or cast them (policy.cast_to_param).")
     return
   expected = jax.eval_shape(policy.cast_to_param, params)
   for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(params),
@@ -270,7 +289,7 @@ class TrainState(flax.struct.PyTreeNode):
           "state.minimize(loss_fn, x, y)).")
     telemetry = _check_telemetry(telemetry, "TrainState.minimize")
     params = self.params
-    _check_param_dtypes(params, self.policy)
+    _check_param_dtypes(params, self.policy, self.apply_fn)
     _replicas.check_replicated_params(params, self.axis_name, "TrainState.minimize")
     if self.axis_name is not None:
       # Per-device gradients, so that JAX does not sum them itself in the

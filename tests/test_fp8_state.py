@@ -164,6 +164,36 @@ def test_checkpoint_restores_across_a_change_of_history_length(tmp_path, length)
   assert not bool(info.skipped)
 
 
+@pytest.mark.usefixtures("standard_promotion")  # optax's Adam: b1 ** count
+@pytest.mark.parametrize("target", ["no loss scale", "static", "adam"])
+def test_restore_refuses_what_the_target_has_no_place_for(tmp_path, target):
+  """A checkpoint of a DynamicLossScale and adamw restored into a target
+  without a loss scale, with a static one, or with adam: each was accepted,
+  the scale's counter and settings (or adamw's schedule's count) dropped, and
+  float16 training resumed unscaled. Oracle: msgpack and orbax refuse the
+  same restores."""
+  x, y = _data(8)
+  _adamw = lambda: optax.adamw(optax.cosine_decay_schedule(1e-3, 100))  # a count kept
+  saved = _state(jmp_lite.DynamicLossScale(2.0 ** 10), tx=_adamw())
+  saved, _ = _step(saved, x, y)
+  path = os.path.join(tmp_path, "ckpt")
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, saved)
+  with ocp.StandardCheckpointer() as ckptr:
+    raw = ckptr.restore(path)
+  make = {"no loss scale": lambda: _state(None, tx=_adamw()),
+          "static": lambda: _state(jmp_lite.StaticLossScale(8.0), tx=_adamw()),
+          "adam": lambda: _state(jmp_lite.DynamicLossScale(2.0 ** 10), tx=optax.adam(1e-3))}
+  with pytest.raises(ValueError, match=r"the checkpoint holds \d+ value\(s\) the target "
+                     r"has no place for, e\.g\. at \['opt_state'\]"):
+    fp8.restore(raw, jax.eval_shape(make[target]))
+  # The state it was saved from takes it, bit for bit.
+  same = fp8.restore(raw, jax.eval_shape(
+      lambda: _state(jmp_lite.DynamicLossScale(2.0 ** 10), tx=_adamw())))
+  for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(same)):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_restore_refuses_other_sites_and_newer_schemas():
   state = _state(jmp_lite.NoOpLossScale())
   meta = state.loss_scale_state.fp8

@@ -247,3 +247,20 @@ def test_every_process_reports_the_same(full, resumed_2x4):
     assert [(r["process_count"], r["device_count"]) for r in reports] == [(2, 8)] * 2
     p0, p1 = ({k: v for k, v in r.items() if k != "process_index"} for r in reports)
     assert p0 == p1
+
+
+@pytest.mark.parametrize("length", [16, 8])
+def test_fp8_restore_runs_across_processes_onto_the_targets_shardings(tmp_path, length):
+  """`jmp_lite.fp8.restore` on 2 processes x 2 devices: it read every leaf
+  with NumPy, which cannot read other processes' shards (RuntimeError), and
+  placed what it could on one device. Now each leaf is on the target's
+  sharding, the parameters as saved, and both processes agree."""
+  worker = WORKER.with_name("fp8_restore.py")
+  results = [r.result for r in run_processes(
+      worker, num_processes=2, devices_per_process=2, args=[str(tmp_path), str(length)],
+      timeout=TIMEOUT)]
+  assert results[0] == results[1], results
+  got = results[0]
+  assert got["same_shardings"] and got["w1_shards"] == 4, got
+  assert got["params_restored"] == got["params_saved"]
+  assert got["history_length"] == length

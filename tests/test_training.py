@@ -361,6 +361,29 @@ def test_create_warns_of_parameters_narrower_than_the_wrapped_models():
   assert state.params["kernel"].dtype == jnp.float32
 
 
+def test_minimize_refuses_parameters_restored_narrower_than_the_wrapped_models():
+  """A bf16 checkpoint restored (msgpack) into a ``p=f32`` wrapped model's
+  state, without ``policy=`` (the README's TrainState flow): minimize
+  trained bf16 masters without a word, where with ``policy=`` it refused."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jmp_lite.flax  # pylint: disable=g-import-not-at-top
+
+  def make(policy):
+    model = jmp_lite.flax.wrap(nn.Dense(3), policy)
+    params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+    return model, jmp_lite.TrainState.create(apply_fn=model.apply, params=params,
+                                             tx=optax.sgd(0.1))
+
+  _, saved = make("p=bf16,c=bf16,o=f32")
+  model, template = make("p=f32,c=bf16,o=f32")
+  restored = serialization.from_bytes(template, serialization.to_bytes(saved))
+  loss = lambda p: jnp.mean(model.apply({"params": p}, jnp.ones((2, 4))))
+  with pytest.raises(TypeError, match=r"parameter \['bias'\] is bfloat16, narrower than "
+                     r"the wrapped model's param_dtype float32"):
+    jax.jit(lambda s: s.minimize(loss))(restored)
+  jax.jit(lambda s: s.minimize(loss))(template)  # as created: trains
+
+
 @pytest.mark.usefixtures("standard_promotion")  # optax's Adam: b1 ** count
 def test_dropped_keeps_an_overflowing_micro_batchs_batch_stats_out():
   """Linen BatchNorm under ``accumulate_steps=2``, statistics selected with
