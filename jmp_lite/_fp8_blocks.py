@@ -104,7 +104,7 @@ def axes(dimension_numbers) -> tuple:
   return a_contract[-1], b_contract[-1]
 
 
-def dot(qa, ea, a_axis, qb, eb, b_axis, dimension_numbers) -> jax.Array:
+def dot(qa, ea, a_axis, qb, eb, b_axis, dimension_numbers, out_sharding=None) -> jax.Array:
   """float32 ``dot_general`` of two block-quantised operands.
 
   The operands are read back in float32: an fp8 value times a power of two
@@ -114,4 +114,5 @@ def dot(qa, ea, a_axis, qb, eb, b_axis, dimension_numbers) -> jax.Array:
   refuses some bf16 x bf16 -> float32 layouts at run time).
   """
   return lax.dot_general(dequantize(qa, ea, a_axis), dequantize(qb, eb, b_axis),
-                         dimension_numbers, preferred_element_type=jnp.float32)
+                         dimension_numbers, preferred_element_type=jnp.float32,
+                         out_sharding=out_sharding)

@@ -1143,3 +1143,46 @@ def test_fp8_restore_places_leaves_on_the_targets_shardings(tmp_path, length):
     assert got.sharding == want.sharding, jax.tree_util.keystr(path)
   assert len(restored.params["w1"].addressable_shards) == 8
   np.testing.assert_array_equal(restored.params["w1"], state.params["w1"])
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current", "block"])
+def test_fp8_data_parallel_step_on_a_mesh_of_explicit_axes(scaling):
+  """fp8 under jit with the batch split over ``jax.make_mesh``'s default
+  (explicit) axes: the weight gradients' fp8 products contract the sharded
+  batch and raised ShardingTypeError (no output sharding). Oracle: the same
+  step on a mesh of Auto axes, which the partitioner lays out itself."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jmp_lite.flax  # pylint: disable=g-import-not-at-top
+  import jmp_lite.fp8  # pylint: disable=g-import-not-at-top
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(32)(nn.relu(nn.Dense(64)(x)))
+
+  x = jax.random.normal(jax.random.key(1), (16, 64))
+  y = jnp.zeros((16,), jnp.int32)
+  policy = "p=f32,c=bf16,o=f32"
+  model = jmp_lite.flax.wrap(MLP(), policy, rules={nn.Dense: policy + ",fp8=hybrid"})
+  params = model.init(jax.random.key(0), x)["params"]
+  loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply({"params": p}, x), y).mean()
+  out = {}
+  for auto in (True, False):
+    mesh = _mesh((8,), ("data",), auto=auto)
+    state = jmp_lite.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.sgd(0.5),
+        loss_scale=jmp_lite.DynamicLossScale(2.0 ** 15),
+        fp8=jmp_lite.fp8.init(loss, params, x, y, scaling=scaling))
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    xs, ys = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    with jax.numpy_dtype_promotion("standard"):
+      state, info = jax.jit(lambda s, x, y: s.minimize(loss, x, y))(state, xs, ys)
+    assert not bool(info.skipped)
+    # SGD at 0.5: the step's gradients.
+    out[auto] = jax.tree.map(lambda p, q: (p - q) / 0.5, params, state.params)
+  # The two partitionings may sum in another order, and bf16 cotangents then
+  # round a value or two to the neighbouring bf16 number: a few bf16 ulps of
+  # the largest gradient. (A missing all-reduce is off by the 8 devices.)
+  for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
+    np.testing.assert_allclose(b, a, rtol=0, atol=2.0 ** -6 * float(jnp.max(jnp.abs(a))))

@@ -138,14 +138,39 @@ def _propagate(out, amax, dimension_numbers, lhs, rhs=None):
   return lax.cond(jnp.all(jnp.isfinite(amax)), lambda o: o, mark, out)
 
 
-def _scaled_dot(a, b, dimension_numbers, scale_a, scale_b):
+def _scaled_dot(a, b, dimension_numbers, scale_a, scale_b, out_sharding=None):
   """``dot_general(a, b)`` of fp8 arrays in float32, times both scales.
 
   One scale at a time: their product could overflow (or underflow) float32
   where the result does not.
   """
-  out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+  out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32,
+                        out_sharding=out_sharding)
   return out * scale_a * scale_b
+
+
+def _typed_sharding(x):
+  """``x``'s sharding where its type carries one (a mesh of explicit axes,
+  replicated included), else None (as `accumulate`'s cotangents read it)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if getattr(sharding, "spec", None) is None or mesh is None or getattr(mesh, "empty", True):
+    return None
+  return sharding
+
+
+def _before_transpose(sharding, perm):
+  """The sharding of a product that ``transpose(., perm)`` turns into an
+  operand of ``sharding`` (None without explicit mesh axes). Under explicit
+  axes a product contracting a sharded dimension (a weight gradient, over
+  the batch) must be told it: the operand's own, before the transpose."""
+  if sharding is None:
+    return None
+  spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+  out = [None] * len(perm)
+  for i, p in enumerate(perm):
+    out[p] = spec[i]
+  return sharding.update(spec=jax.sharding.PartitionSpec(*out))
 
 
 def _remaining(n, *removed):
@@ -194,6 +219,8 @@ class _Static(NamedTuple):
   backward: np.dtype  # the gradient's
   axes: tuple  # the manual axes the carrier varies over
   scaling: str
+  # Explicit mesh axes: each operand's sharding and the product's, else None.
+  shardings: tuple = (None, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -221,7 +248,8 @@ def _forward(lhs, rhs, carrier, amax, static, *, need_lhs, need_rhs):
     scales, factors = carrier[:2], carrier[ROLES:ROLES + 2]
   q_lhs = _fp8_numerics.quantize_by(lhs, static.forward, factors[0])
   q_rhs = _fp8_numerics.quantize_by(rhs, static.forward, factors[1])
-  out = _scaled_dot(q_lhs, q_rhs, static.dimension_numbers, scales[0], scales[1])
+  out = _scaled_dot(q_lhs, q_rhs, static.dimension_numbers, scales[0], scales[1],
+                    static.shardings[2])
   # The gradient's scale and factor, for the backward pass (unused when current).
   g_meta = jnp.stack([carrier[2], carrier[ROLES + 2]])
   out = _propagate(out, amax, static.dimension_numbers, lhs, rhs)
@@ -245,10 +273,12 @@ def _matmul_bwd(static, residuals, g):
     q_g = _fp8_numerics.quantize_by(g, static.backward, factor)
     (dims_l, perm_l), (dims_r, perm_r) = _transposes(
         static.dimension_numbers, static.lhs.ndim, static.rhs.ndim)
+    at_l, at_r = (_before_transpose(sh, perm) for sh, perm in
+                  zip(static.shardings[:2], (perm_l, perm_r)))
     d_lhs = None if q_rhs is None else lax.transpose(_propagate(
-        _scaled_dot(q_g, q_rhs, dims_l, scale, scales[1]), amax_g, dims_l, g), perm_l)
+        _scaled_dot(q_g, q_rhs, dims_l, scale, scales[1], at_l), amax_g, dims_l, g), perm_l)
     d_rhs = None if q_lhs is None else lax.transpose(_propagate(
-        _scaled_dot(q_g, q_lhs, dims_r, scale, scales[0]), amax_g, dims_r, g), perm_r)
+        _scaled_dot(q_g, q_lhs, dims_r, scale, scales[0], at_r), amax_g, dims_r, g), perm_r)
   found = _probes._varying(
       jnp.zeros((WIDTH,), jnp.float32).at[ROLES - 1].set(amax_g), static.axes)
   return (None if d_lhs is None else d_lhs.astype(static.lhs.dtype),
@@ -263,7 +293,7 @@ def _blocks_fwd(lhs, rhs, static, need_lhs, need_rhs):
   q_lhs, e_lhs = _fp8_blocks.quantize(lhs, a_axis, static.forward)
   q_rhs, e_rhs = _fp8_blocks.quantize(rhs, b_axis, static.forward)
   out = _fp8_blocks.dot(q_lhs, e_lhs, a_axis, q_rhs, e_rhs, b_axis,
-                        static.dimension_numbers).astype(static.out_dtype)
+                        static.dimension_numbers, static.shardings[2]).astype(static.out_dtype)
   (dims_l, _), (dims_r, _) = _transposes(static.dimension_numbers, lhs.ndim, rhs.ndim)
   _, rhs_axis = _fp8_blocks.axes(dims_l)  # d_lhs contracts g with rhs
   _, lhs_axis = _fp8_blocks.axes(dims_r)  # d_rhs contracts g with lhs
@@ -276,17 +306,19 @@ def _blocks_bwd(static, residuals, g, amax_g):
   (dims_l, perm_l), (dims_r, perm_r) = _transposes(static.dimension_numbers,
                                                    static.lhs.ndim, static.rhs.ndim)
 
-  def transpose(copy, dims, perm):
+  def transpose(copy, dims, perm, sharding):
     """One operand's gradient: ``g`` block-quantised along the product's
     contraction with the other operand's kept copy."""
     if copy is None:
       return None
     g_axis, copy_axis = _fp8_blocks.axes(dims)
     q_g, e_g = _fp8_blocks.quantize(g, g_axis, static.backward)
-    product = _fp8_blocks.dot(q_g, e_g, g_axis, *copy, copy_axis, dims)
+    product = _fp8_blocks.dot(q_g, e_g, g_axis, *copy, copy_axis, dims,
+                              _before_transpose(sharding, perm))
     return lax.transpose(_propagate(product, amax_g, dims, g), perm)
 
-  return transpose(rhs_copy, dims_l, perm_l), transpose(lhs_copy, dims_r, perm_r)
+  return (transpose(rhs_copy, dims_l, perm_l, static.shardings[0]),
+          transpose(lhs_copy, dims_r, perm_r, static.shardings[1]))
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
@@ -294,7 +326,7 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)
 
 def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
            forward=_fp8_numerics.FORMATS["e4m3"], backward=_fp8_numerics.FORMATS["e5m2"],
-           scaling="delayed") -> tuple[jax.Array, jax.Array]:
+           scaling="delayed", out_sharding=None) -> tuple[jax.Array, jax.Array]:
   """``dot_general(lhs, rhs, dimension_numbers)`` as an fp8 GEMM, in ``out_dtype``.
 
   Returns ``(product, amax)``: ``amax`` float32 ``[2]``, the operands'
@@ -307,6 +339,8 @@ def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
       the gradient's absolute maximum in the third place, zeros elsewhere.
     dimension_numbers: ``dot_general``'s.
     out_dtype: the product's dtype (the equation's).
+    out_sharding: the product's sharding under explicit mesh axes (the
+      equation's ``out_sharding``; the cotangents take their operands').
     forward, backward: the fp8 formats of the operands and of the gradient.
     scaling: ``"delayed"`` (the carrier's scales), ``"current"`` (each
       tensor's scale from its own maximum, `jmp_lite._fp8_numerics.current_scaling`)
@@ -319,6 +353,7 @@ def matmul(lhs, rhs, carrier, dimension_numbers, out_dtype,
   static = _Static(dimension_numbers, np.dtype(out_dtype),
                    jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
                    jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
-                   np.dtype(forward), np.dtype(backward), axes, scaling)
+                   np.dtype(forward), np.dtype(backward), axes, scaling,
+                   (_typed_sharding(lhs), _typed_sharding(rhs), out_sharding))
   amax = jax.lax.stop_gradient(jnp.stack([_amax(lhs), _amax(rhs)]))
   return _matmul(lhs, rhs, carrier, amax, static), _probes._varying(amax, axes)

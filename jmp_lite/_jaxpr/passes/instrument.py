@@ -90,7 +90,8 @@ def interpret(jaxpr, consts, args, carrier, plan: Plan,
       outs, amax = _fp8_sites.matmul(
           lhs, rhs, scales,
           eqn.params["dimension_numbers"], eqn.outvars[0].aval.dtype,
-          *(_fp8_numerics.FORMATS[f] for f in site.recipe), scaling=site.scaling)
+          *(_fp8_numerics.FORMATS[f] for f in site.recipe), scaling=site.scaling,
+          out_sharding=eqn.params.get("out_sharding"))
       found.append((site.offset, amax))
     else:
       # A mark is bound as it is: JAX may have moved a cast into its body.
