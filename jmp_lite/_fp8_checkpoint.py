@@ -12,7 +12,7 @@ from jmp_lite import _struct
 from jmp_lite._fp8_state import SCHEMA_VERSION, Fp8State, MatmulMeta
 
 
-def restore(raw: Any, target: Any) -> Any:
+def restore(raw: Any, target: Any, strict: bool = True) -> Any:
   """`jmp_lite.fp8.restore`."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(
       target, is_leaf=lambda x: isinstance(x, Fp8State))
@@ -23,7 +23,8 @@ def restore(raw: Any, target: Any) -> Any:
     taken.append(tuple(str(_name(key)) for key in path))
     out.append(_migrate(node, leaf, where) if isinstance(leaf, Fp8State)
                else _leaf(node, leaf, where))
-  _refuse_extras(raw, set(taken))
+  if strict:
+    _refuse_extras(raw, set(taken))
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -41,7 +42,7 @@ def _refuse_extras(raw, taken: set) -> None:
   extras = []
 
   def walk(node, path):
-    if any(path[:len(t)] == t for t in taken if len(t) <= len(path)):
+    if path in taken:  # a target leaf or fp8 state: read, with all below it
       return
     if isinstance(node, dict):
       for key, value in node.items():
@@ -88,10 +89,24 @@ def _scalar(value):
   return np.asarray(value)
 
 
+def _concrete(sharding):
+  """``sharding`` on devices: a target made by ``jax.eval_shape`` under
+  ``jax.set_mesh`` names an abstract mesh, placed on the concrete mesh set
+  now (None, JAX's default placement, with none set)."""
+  mesh = getattr(sharding, "mesh", None)
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    get_mesh = getattr(jax.sharding, "get_mesh", None)  # JAX 0.7 onwards
+    now = get_mesh() if get_mesh is not None else None
+    if getattr(now, "empty", True) or now.axis_names != mesh.axis_names:
+      return None
+    return jax.sharding.NamedSharding(now, sharding.spec)
+  return sharding
+
+
 def _placed(value, like):
   """``value`` in ``like``'s dtype, on ``like``'s sharding where it has one
   (a target of the new mesh's layout), else where JAX puts it."""
-  sharding = getattr(like, "sharding", None)
+  sharding = _concrete(getattr(like, "sharding", None))
   value = value.astype(like.dtype) if isinstance(value, jax.Array) else np.asarray(
       value, like.dtype)
   if sharding is None or sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0]):
@@ -169,7 +184,7 @@ def _migrate(raw, target: Fp8State, where: str) -> Fp8State:
   grad_loss_scale = (_leaf(_entry(raw, "grad_loss_scale", f"{where}.grad_loss_scale"),
                            target.grad_loss_scale, f"{where}.grad_loss_scale")
                      if version >= 2 else
-                     jnp.zeros((), jnp.float32))
+                     _placed(np.zeros((), np.float32), target.grad_loss_scale))
   return _struct.replace_fields(target, sites=sites, grad_loss_scale=grad_loss_scale,
                                 version=_placed(np.asarray(SCHEMA_VERSION, np.int32),
                                                 target.version))

@@ -155,9 +155,9 @@ def combine_measures(acc: dict, measured: dict) -> dict:
   return out
 
 
-def finish_measures(acc: dict, given: dict, k: int) -> dict:
+def finish_measures(acc: dict, given: dict, k) -> dict:
   """The step's measures from ``k`` micro-batches' combination (the names
-  some micro-batch gave, ``given``)."""
+  some micro-batch gave, ``given``); ``k`` may be traced."""
   return {n: v / k if _COMBINE[n] == "mean" else v
           for n, v in acc.items() if given.get(n) is not None}
 

@@ -186,7 +186,7 @@ def forward(fun: Any, state: Fp8State) -> Any:
   return run
 
 
-def restore(raw: Any, target: Any) -> Any:
+def restore(raw: Any, target: Any, *, strict: bool = True) -> Any:
   """``target`` filled from a checkpoint restored without a target.
 
   For a checkpoint whose fp8 metadata no longer fits the state it is restored
@@ -202,11 +202,18 @@ def restore(raw: Any, target: Any) -> Any:
   leaf spanning other processes' devices is read as it is: every process
   calls ``restore``, as with orbax.
 
+  Args:
+    raw: the checkpoint, restored with no target.
+    target: the state to fill.
+    strict: refuse a value of ``raw`` the target has no place for (a loss
+      scale or optimizer state it lacks); False takes part of a checkpoint
+      on purpose (the parameters and fp8 state of a training checkpoint,
+      for inference).
+
   Raises:
     ValueError: a leaf missing or of another shape, a value the target has
-      no place for (a loss scale or optimizer state the target lacks), a
-      checkpoint of a newer schema, or fp8 sites that differ (names or
-      layers), naming the path.
+      no place for (with ``strict``), a checkpoint of a newer schema, or fp8
+      sites that differ (names or layers), naming the path.
 
   Example:
     >>> import jax.numpy as jnp
@@ -225,4 +232,4 @@ def restore(raw: Any, target: Any) -> Any:
     >>> fp8.restore(raw, new).sites["mlp"].grad.amax_history.tolist()
     [3.0, 0.0]
   """
-  return _fp8_checkpoint.restore(raw, target)
+  return _fp8_checkpoint.restore(raw, target, strict)

@@ -420,13 +420,14 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     # The loss scale decides on what every micro-batch measured, not the last.
     acc_measures = (None if state.acc_measures is None else
                     _guard_state.combine_measures(state.acc_measures, measured))
+    # The micro-batches summed when this call ends a step: k, or more in a
+    # state restored from a run with a larger accumulate_steps (which ends
+    # here, averaged over them).
+    count = (state.mini_step + 1).astype(jnp.float32)
     step_measured = (measured if acc_measures is None else
-                     _guard_state.finish_measures(acc_measures, measured, k))
+                     _guard_state.finish_measures(acc_measures, measured, count))
 
     def emit():
-      # The micro-batches summed: k, or more in a state restored from a run
-      # with a larger accumulate_steps (which ends here, averaged over them).
-      count = (state.mini_step + 1).astype(jnp.float32)
       updates, new_state = step(acc, state, params, extra_args, scale * count,
                                 acc_finite, step_measured)
       fresh = jax.tree.map(jnp.zeros_like, acc)

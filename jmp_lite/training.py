@@ -46,14 +46,19 @@ __all__ = (
 )
 
 def _narrow_params(apply_fn, params) -> tuple[Any, list]:
-  """The ``param_dtype`` of the wrapped model whose ``apply`` is ``apply_fn``
-  (`jmp_lite.flax.wrap`; None for another function), and ``(path, dtype)``
-  of the parameters narrower than it."""
-  owner = getattr(apply_fn, "__self__", None)
-  policy = getattr(getattr(owner, "rules", None), "policy", None)
-  if not isinstance(policy, Policy):
+  """The narrowest ``param_dtype`` of the wrapped model whose ``apply`` is
+  ``apply_fn`` (`jmp_lite.flax.wrap`; None for another function): its
+  policy's and its rules' (a rule may store some modules' parameters in
+  bf16), and ``(path, dtype)`` of the parameters narrower than it. Nothing
+  where the modules' own dtype fields win (``module_dtypes=True``)."""
+  rules = getattr(getattr(apply_fn, "__self__", None), "rules", None)
+  policy = getattr(rules, "policy", None)
+  if not isinstance(policy, Policy) or getattr(rules, "module_dtypes", False):
     return None, []
-  want = np.dtype(policy.param_dtype)
+  policies = [policy, *(p for _, p in rules.classes), *(entry[-1] for entry in rules.paths),
+              rules.norm]
+  want = min((np.dtype(p.param_dtype) for p in policies if isinstance(p, Policy)),
+             key=lambda d: d.itemsize)
   return want, [(jax.tree_util.keystr(path), np.dtype(leaf.dtype))
                 for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
                 if _dtypes.is_floating(leaf) and np.dtype(leaf.dtype).itemsize < want.itemsize]
@@ -114,11 +119,13 @@ class StepInfo(NamedTuple):
   With ``accumulate_steps=k``, a call that only accumulates its micro-batch
   took no step: its ``skipped`` is False (summed over calls, ``skipped``
   counts what ``skipped_steps`` counts), and ``grad_norm``, ``nonfinite``
-  and ``stalled`` are those of the last completed step. ``dropped`` says
-  whether this call's batch went unused, on every call: its step was
-  skipped, or its micro-batch overflowed and was left out of the sum. Keep
-  what the forward pass wrote for a dropped batch out of the model
-  (``jmp_lite.select_tree(info.dropped, old_batch_stats, new_batch_stats)``).
+  and ``stalled`` are those of the last completed step. ``dropped`` is set
+  on every call: on one that only accumulates, whether its micro-batch
+  overflowed and was left out of the sum; on one that ends a step, whether
+  the step was skipped. Selecting with it keeps nothing non-finite that the
+  forward pass wrote
+  (``jmp_lite.select_tree(info.dropped, old_batch_stats, new_batch_stats)``);
+  the statistics of healthy micro-batches of a skipped step stay.
   """
 
   loss: jax.Array  # unscaled

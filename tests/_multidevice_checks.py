@@ -1143,6 +1143,17 @@ def test_fp8_restore_places_leaves_on_the_targets_shardings(tmp_path, length):
     assert got.sharding == want.sharding, jax.tree_util.keystr(path)
   assert len(restored.params["w1"].addressable_shards) == 8
   np.testing.assert_array_equal(restored.params["w1"], state.params["w1"])
+  # A target made by eval_shape under set_mesh (explicit axes) names an
+  # abstract mesh, which device_put refused: placed on the mesh set.
+  explicit = _mesh((8,), ("data",), auto=False)
+  with jax.set_mesh(explicit):
+    abstract = jax.eval_shape(lambda: jax.tree_util.tree_map_with_path(
+        lambda p, l: jax.device_put(l, NamedSharding(explicit, sharding(p, l).spec)),
+        make(length)))
+    assert isinstance(abstract.params["w1"].sharding.mesh, jax.sharding.AbstractMesh)
+    again = jmp_lite.fp8.restore(raw, abstract)
+  assert again.params["w1"].sharding.spec == P(None, "data")
+  assert len(again.params["w1"].addressable_shards) == 8
 
 
 @pytest.mark.parametrize("scaling", ["delayed", "current", "block"])

@@ -429,3 +429,31 @@ def test_dropped_keeps_an_overflowing_micro_batchs_batch_stats_out():
   assert seen == [(False, False, True, True), (False, False, True, True),
                   (True, False, True, False), (True, True, True, False),
                   (False, False, True, True), (False, False, True, True)], seen
+
+
+def test_parameters_a_models_own_rules_store_in_bf16_train():
+  """A rule that stores some parameters in bf16 under a ``p=f32`` policy:
+  made by the wrapped model's init, they are what it asked for. minimize
+  refused them (TypeError) once it checked the policy's param_dtype alone;
+  neither create nor minimize may refuse them or warn."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+  import jmp_lite.flax  # pylint: disable=g-import-not-at-top
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, t):
+      return nn.Dense(3)(nn.Embed(10, 8)(t))
+
+  model = jmp_lite.flax.wrap(Net(), "p=f32,c=bf16,o=f32",
+                             rules={nn.Embed: "p=bf16,c=bf16,o=f32"})
+  t = jnp.arange(4)
+  params = model.init(jax.random.key(0), t)["params"]
+  assert params["Embed_0"]["embedding"].dtype == jnp.bfloat16
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    state = jmp_lite.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=optax.sgd(0.1))
+  loss = lambda p: jnp.mean(model.apply({"params": p}, t))
+  state, _ = jax.jit(lambda s: s.minimize(loss))(state)
+  assert state.params["Embed_0"]["embedding"].dtype == jnp.bfloat16

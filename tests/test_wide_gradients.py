@@ -157,6 +157,33 @@ def test_a_bf16_bias_and_table_get_the_float32_sum(layer):
   np.testing.assert_array_equal(leaf(want), 25.0)
 
 
+def test_a_symbolic_batch_exports_and_sums_in_float32():
+  """Shape-polymorphic export of a bf16 bias over a batch of n rows: the
+  size test compared '4*n' >= '64' and raised. A symbolic dimension counts
+  as large: the sum is float32."""
+  fun = _engine.accumulate(lambda b, x: jnp.sum((x + b[None]).astype(jnp.float32)))
+  n = jax.export.symbolic_shape("n")[0]
+  args = (jax.ShapeDtypeStruct((4,), jnp.bfloat16), jax.ShapeDtypeStruct((n, 4), jnp.bfloat16))
+  jax.export.export(jax.jit(jax.grad(fun)))(*args)
+  grad = jax.make_jaxpr(jax.grad(fun))(jnp.ones(4, jnp.bfloat16), jnp.ones((64, 4), jnp.bfloat16))
+  assert all(d == jnp.float32 for _, d in _sums(grad.jaxpr, adding=True)), _sums(grad.jaxpr)
+
+
+def test_narrow_values_the_function_computes_keep_their_sums():
+  """Only the function's narrow inputs (stored parameters) are upcast: an
+  activation it computes in bf16 and broadcasts (``h - h[:, :1]``) keeps
+  the sums the engine makes without the sink."""
+  def f(w, x):
+    h = x @ w                                       # bf16 activation
+    m = h[:, 0]                                     # computed, then broadcast
+    return jnp.sum((h - m[:, None]).astype(jnp.float32) ** 2)
+  w = jax.random.normal(jax.random.key(0), (16, 64)).astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (32, 16)).astype(jnp.bfloat16)
+  mine = jax.make_jaxpr(jax.grad(_engine.accumulate(f), argnums=1))(w, x).jaxpr
+  theirs = jax.make_jaxpr(jax.grad(_engine.accumulate(f, sink=False), argnums=1))(w, x).jaxpr
+  assert sorted(map(str, _sums(mine))) == sorted(map(str, _sums(theirs)))
+
+
 # --------------------------------------------------------------- HLO parsing
 
 HLO = """\

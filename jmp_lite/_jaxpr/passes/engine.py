@@ -123,7 +123,7 @@ class _Rewriter:
       if self.sink and self.reduce_dtype is None:
         # Gradients summed by data movement's transposes (a bias's, an
         # embedding's) are summed, and reduced across devices, wide.
-        eqns = _sink.sink(eqns)
+        eqns = _sink.sink(eqns, set(jaxpr.invars) | set(jaxpr.constvars))
       if self.islands:
         eqns = _islands.isolate(eqns, jaxpr.outvars)
       changed = len(eqns) != len(jaxpr.eqns) or any(

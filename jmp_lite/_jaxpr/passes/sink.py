@@ -25,10 +25,12 @@ copy values without arithmetic. Its transpose is the sum in float32, then one
 rounding; the partial sums cross devices in float32. The cost is the op's own
 output in float32 when XLA does not fuse the convert into its consumer.
 
-A narrow value that no downcast made (a parameter stored in bf16, ``p=bf16``)
-and that a broadcast or a gather sums in the backward pass gets an exact
-upcast first (``convert(w, float32)``), and then the same rewrite: its
-gradient too is summed in float32 and rounded once. (A bf16 bias over 8,192
+A narrow input of the jaxpr that no downcast made (a parameter stored in
+bf16, ``p=bf16``), or a reshape of one, that a broadcast or a gather sums
+in the backward pass gets an exact upcast first (``convert(w, float32)``),
+and then the same rewrite: its gradient too is summed in float32 and
+rounded once. Narrow values the jaxpr computes (activations) are left as
+they are. (A bf16 bias over 8,192
 rows, each cotangent 100 / 32,768, summed to 29.375 in bf16 against 25.)
 Broadcasts that sum fewer than `SUMMED_FROM` elements per result are left in
 the narrow dtype, as autocast leaves small reductions.
@@ -69,7 +71,7 @@ def _is_var(v) -> bool:
       v, _internals.DropVar)
 
 
-def sink(eqns: list) -> list:
+def sink(eqns: list, inputs=frozenset()) -> list:
   """``eqns`` with each downcast of a wider float moved past the moves reading it.
 
   A downcast stays where it is for its other readers (XLA drops it if none
@@ -77,6 +79,8 @@ def sink(eqns: list) -> list:
   downcast of the move's result takes the move's place.
   """
   wide_of = {}  # narrow var -> (its wide source, the downcast that made it)
+  # Narrow inputs (parameters), and what size-keeping moves make of them.
+  stored = {v for v in inputs if _is_var(v)}
   out = []
 
   def move(eqn, invars):
@@ -107,12 +111,19 @@ def sink(eqns: list) -> list:
     wide_of[v] = (wide, cast(wide, v, np.dtype(v.aval.dtype)))
 
   def summed(v, shape=None) -> bool:
-    """Whether narrow ``v``, which no downcast made, is broadcast to
+    """Whether ``v``, a narrow input no downcast made, is broadcast to
     ``shape`` over at least `SUMMED_FROM` elements per value (None:
-    gathered from, which sums any repeated index)."""
-    return (_is_var(v) and v not in wide_of and _dtypes.is_narrow_float(v.aval.dtype)
-            and (shape is None or np.prod(shape) >= SUMMED_FROM * max(
-                np.prod(v.aval.shape), 1)))
+    gathered from, which sums any repeated index). A symbolic dimension
+    (shape-polymorphic export) counts as large."""
+    if not (_is_var(v) and v in stored and v not in wide_of
+            and _dtypes.is_narrow_float(v.aval.dtype)):
+      return False
+    if shape is None:
+      return True
+    dims = (*shape, *v.aval.shape)
+    if not all(isinstance(d, (int, np.integer)) for d in dims):
+      return True
+    return np.prod(shape) >= SUMMED_FROM * max(np.prod(v.aval.shape), 1)
 
   def into_call(eqn):
     """``eqn`` (a ``jit`` call) taking the wide values, its body downcasting."""
@@ -130,7 +141,8 @@ def sink(eqns: list) -> list:
         invars[i], outer[i] = w, wide
     if not prelude:
       return eqn
-    body = inner.replace(invars=invars, eqns=sink(prelude + list(inner.eqns)))
+    body = inner.replace(invars=invars, eqns=sink(prelude + list(inner.eqns),
+                                                  set(inner.invars) | set(inner.constvars)))
     return _rebind.with_body(eqn, body, region.consts, outer, eqn.outvars)
 
   def through_identity(eqn):
@@ -213,5 +225,8 @@ def sink(eqns: list) -> list:
           and _is_var(eqn.outvars[0])):
       move(eqn, eqn.invars)
       continue
+    elif (name in MOVES and name != "gather" and eqn.invars
+          and _is_var(eqn.invars[0]) and eqn.invars[0] in stored):
+      stored.update(v for v in eqn.outvars if _is_var(v))
     out.append(eqn)
   return out
