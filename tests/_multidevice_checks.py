@@ -1105,7 +1105,6 @@ def test_fp8_restore_places_leaves_on_the_targets_shardings(tmp_path, length):
   a whole FSDP model gathered there (and across processes it could not run:
   NumPy cannot read other processes' shards). Oracle: the target's own
   shardings; the values as saved (histories re-laid for a new length)."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import jmp_lite.fp8  # pylint: disable=g-import-not-at-top
   mesh = _mesh((8,), ("data",))
   x = jnp.ones((8, D_IN))
@@ -1129,15 +1128,8 @@ def test_fp8_restore_places_leaves_on_the_targets_shardings(tmp_path, length):
     state, _ = jax.jit(lambda s: s.minimize(loss_fn, x))(make(16))
   state = jax.tree_util.tree_map_with_path(
       lambda p, l: jax.device_put(l, sharding(p, l)), state)
-  path = str(tmp_path / "ckpt")
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path, state)
-  with ocp.StandardCheckpointer() as ckptr:
-    raw = ckptr.restore(path)
-  target = jax.tree_util.tree_map_with_path(
-      lambda p, l: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=sharding(p, l)),
-      jax.eval_shape(lambda: make(length)))
-  restored = jmp_lite.fp8.restore(raw, target)
+  restored, target, raw = _data.fp8_restored(str(tmp_path / "ckpt"), state,
+                                             lambda: make(length), sharding)
   for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored),
                                jax.tree.leaves(target)):
     assert got.sharding == want.sharding, jax.tree_util.keystr(path)

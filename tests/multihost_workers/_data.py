@@ -58,3 +58,20 @@ class FsdpLayout:
   def feed(self, batch):
     return self._jax.make_array_from_process_local_data(
         self.by_rows, np.ascontiguousarray(batch[self.local_rows]), batch.shape)
+
+
+def fp8_restored(path, state, make_target, sharding):
+  """``state`` saved with orbax at ``path``, restored with no target and
+  `jmp_lite.fp8.restore`d into ``make_target()``'s abstract shape laid out
+  by ``sharding(path, leaf)``: ``(restored, target)``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import jmp_lite.fp8  # pylint: disable=g-import-not-at-top
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, state)
+  with ocp.StandardCheckpointer() as ckptr:
+    raw = ckptr.restore(path)
+  target = jax.tree_util.tree_map_with_path(
+      lambda p, l: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=sharding(p, l)),
+      jax.eval_shape(make_target))
+  return jmp_lite.fp8.restore(raw, target), target, raw

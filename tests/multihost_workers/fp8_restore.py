@@ -21,13 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jmp_lite
 import jmp_lite.fp8
 from jmp_lite import testing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for pytest's import
+import _data  # noqa: E402  (this directory's shared helpers)
 
 
 def loss_fn(p, x):
@@ -62,15 +64,8 @@ def main(directory, length):
           l.shape, sharding(p, l), lambda i, l=l: np.asarray(l)[i]), make(16))
   with jax.numpy_dtype_promotion("standard"):
     state, _ = jax.jit(lambda s: s.minimize(loss_fn, x))(state)
-  path = os.path.join(directory, "state")
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path, state)
-  with ocp.StandardCheckpointer() as ckptr:
-    raw = ckptr.restore(path)
-  target = jax.tree_util.tree_map_with_path(
-      lambda p, l: jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=sharding(p, l)),
-      jax.eval_shape(lambda: make(length)))
-  restored = jmp_lite.fp8.restore(raw, target)
+  restored, target, _ = _data.fp8_restored(os.path.join(directory, "state"), state,
+                                           lambda: make(length), sharding)
   fp8 = restored.loss_scale_state.fp8
   testing.report_result({
       "same_shardings": all(
