@@ -420,9 +420,8 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     # The loss scale decides on what every micro-batch measured, not the last.
     acc_measures = (None if state.acc_measures is None else
                     _guard_state.combine_measures(state.acc_measures, measured))
-    # The micro-batches summed when this call ends a step: k, or more in a
-    # state restored from a run with a larger accumulate_steps (which ends
-    # here, averaged over them).
+    # Micro-batches summed when this call ends a step: k, or more in a state
+    # restored from a larger accumulate_steps (ended here, averaged over them).
     count = (state.mini_step + 1).astype(jnp.float32)
     step_measured = (measured if acc_measures is None else
                      _guard_state.finish_measures(acc_measures, measured, count))
@@ -437,15 +436,14 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
               tuple(acc_measures), state.loss_scale))
 
     def wait():
-      # ``skipped`` says whether this call's batch was dropped (what a
-      # BatchNorm step selects its statistics with), not a stale flag of the
-      # last completed step.
+      # ``skipped``: whether this call's batch was dropped (what a BatchNorm
+      # step selects its statistics with), not the last completed step's.
       return _no_op_updates(emit), state._replace(
           mini_step=state.mini_step + 1, acc_grads=acc, acc_finite=acc_finite,
           acc_measures=acc_measures, skipped=~ok)
 
-    # ``>=``: a restored mini_step past k - 1 ends the accumulation instead
-    # of never matching again (no update ever after, and no skip counted).
+    # ``>=``: a restored mini_step past k - 1 ends the accumulation (``==``
+    # never matched again: no update ever after, no skip counted).
     return jax.lax.cond(state.mini_step >= k - 1, emit, wait)
 
   jitted_update = jax.jit(traced_update)

@@ -29,11 +29,10 @@ A narrow input of the jaxpr that no downcast made (a parameter stored in
 bf16, ``p=bf16``), or a reshape of one, that a broadcast or a gather sums
 in the backward pass gets an exact upcast first (``convert(w, float32)``),
 and then the same rewrite: its gradient too is summed in float32 and
-rounded once. Narrow values the jaxpr computes (activations) are left as
-they are. (A bf16 bias over 8,192
-rows, each cotangent 100 / 32,768, summed to 29.375 in bf16 against 25.)
-Broadcasts that sum fewer than `SUMMED_FROM` elements per result are left in
-the narrow dtype, as autocast leaves small reductions.
+rounded once (a bf16 bias over 8,192 rows, each cotangent 100 / 32,768,
+summed to 29.375 in bf16 against 25). Narrow values the jaxpr computes
+(activations) are left as they are, and so are broadcasts that sum fewer
+than `SUMMED_FROM` elements per result, as autocast leaves small reductions.
 """
 
 from __future__ import annotations
