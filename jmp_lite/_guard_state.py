@@ -1,4 +1,6 @@
-"""The state `jmp_lite.optax.with_loss_scale` keeps, and finding it in any optax state."""
+"""The state `jmp_lite.optax.with_loss_scale` keeps, how its fields move that are
+not the step's arithmetic (the loss scale, telemetry's measures, the fp8
+metadata, a skipped call's updates), and finding it in any optax state."""
 
 from __future__ import annotations
 
@@ -103,6 +105,42 @@ def adjust(loss_scale, finite, measured):
   if not given:
     return loss_scale.adjust(finite)
   return loss_scale.adjust(finite, **given)
+
+
+def observe_fp8(fp8, amax, axis_name):
+  """This micro-batch's fp8 maxima max-reduced into the state."""
+  if (fp8 is None) != (amax is None):
+    raise ValueError(
+        "with_loss_scale.update: " + (
+            "the state has fp8 metadata (fp8=), so update needs the step's "
+            "fp8 maxima as fp8_amax= (TrainState.minimize passes them)"
+            if amax is None else
+            "fp8_amax= was given but the state has no fp8 metadata (pass fp8= "
+            "to with_loss_scale or TrainState.create)"))
+  if fp8 is None:
+    return None
+  if axis_name is not None:
+    amax = jax.tree.map(lambda a: jax.lax.pmax(a, axis_name), amax)
+  return fp8.observe(amax)
+
+
+def fp8_step_end(fp8, old_scale, new_scale):
+  """The step's maxima (measured under ``old_scale``) recorded, and the
+  gradient histories moved to ``new_scale``."""
+  if fp8 is None:
+    return None
+  return (fp8.follow_loss_scale(old_scale.loss_scale).commit()
+          .follow_loss_scale(new_scale.loss_scale))
+
+
+def no_op_updates(update_fn) -> Any:
+  """``-0.0`` in the shapes and dtypes of the updates ``update_fn()`` returns.
+
+  ``x + -0.0`` is ``x`` for every ``x`` (``+0.0`` would turn ``-0.0`` params
+  into ``+0.0``), so these updates leave params bitwise unchanged.
+  """
+  shapes = jax.eval_shape(update_fn)[0]
+  return jax.tree.map(lambda s: jnp.full_like(s, -0.0), shapes)
 
 
 def pop_measures(extra_args: dict) -> dict:

@@ -13,6 +13,7 @@ import jax
 from jmp_lite import _checks
 from jmp_lite._jaxpr.passes import plan as _plan
 from jmp_lite import _replicas
+from jmp_lite import _scaling
 from jmp_lite import _scaled_grad
 from jmp_lite.fp8 import Fp8State
 from jmp_lite import loss_scale as ls_lib
@@ -107,7 +108,7 @@ def value_and_grad(
   """
   if policy is not None:
     policy = get_policy(policy)
-  axis_name = ls_lib._check_axis_name(axis_name, "value_and_grad")
+  axis_name = _scaling.check_axis_name(axis_name, "value_and_grad")
 
   telemetry = _check_telemetry(telemetry, "value_and_grad")
   scaled_vg = _scaled_grad.scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry,

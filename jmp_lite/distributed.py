@@ -56,7 +56,7 @@ from jmp_lite import _hlo
 from jmp_lite._hlo import Collective
 from jmp_lite._jaxpr.passes import provenance as _provenance
 from jmp_lite import _replicas
-from jmp_lite.loss_scale import _check_axis_name
+from jmp_lite._scaling import check_axis_name
 from jmp_lite.policy import get_policy
 from jmp_lite.policy import Policy
 
@@ -78,7 +78,7 @@ def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
   if axis_name is None:
     raise TypeError(f"{what}: axis_name must be a mesh axis name or a non-empty "
                     "tuple of them, got None.")
-  name = _check_axis_name(axis_name, what)
+  name = check_axis_name(axis_name, what)
   return (name,) if isinstance(name, str) else tuple(name)
 
 

@@ -15,7 +15,7 @@ unflattening (inside ``jit``, after ``tree_map``) does not re-run the checks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence, TypeVar, Union
+from typing import Any, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +24,9 @@ import numpy as np
 from jmp_lite import _exact
 from jmp_lite import _reduce
 from jmp_lite import _replicas
+from jmp_lite import _scaling
 from jmp_lite import _struct
 from jmp_lite._dtypes import is_inexact
-from jmp_lite._dtypes import is_low_bit_float
-from jmp_lite._dtypes import wide_dtype
 
 __all__ = (
     "LossScale",
@@ -40,74 +39,10 @@ __all__ = (
 )
 
 T = TypeVar("T")
-AxisName = Union[str, Sequence[str], None]
+AxisName = _scaling.AxisName
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)
-
-
-class _FlagError(ValueError, AssertionError):
-  """A predicate that is not a boolean scalar.
-
-  A ValueError, and also an AssertionError because jmp raises one there.
-  """
-
-
-def _check_flag(flag: Any, what: str) -> jax.Array:
-  """Returns ``flag`` as a bool array, or raises if it is not a boolean scalar."""
-  if isinstance(flag, (bool, np.bool_)):
-    return jnp.asarray(flag)
-  dtype = getattr(flag, "dtype", None)
-  shape = getattr(flag, "shape", None)
-  if shape != () or dtype != jnp.bool_:
-    # Not the value's repr: a gradient tree passed by mistake prints every array.
-    leaves = jax.tree.leaves(flag)
-    what_it_is = (f"{type(flag).__name__} with shape={shape} dtype={dtype}"
-                  if shape is not None else
-                  f"{type(flag).__name__} of {len(leaves)} leaves")
-    raise _FlagError(
-        f"{what}: expected boolean scalar, got {what_it_is}. Reduce it first, "
-        "e.g. with jmp_lite.all_finite(grads).")
-  return flag
-
-
-def _multiply(tree: T, *factors: jax.Array) -> T:
-  """Multiplies floating and complex leaves by float32 ``factors``, in order.
-
-  The product is formed and returned in float32 (float64 for float64,
-  complex for complex leaves), as jmp's ``x * loss_scale`` with its float32
-  scale promotes: a float16 loss of 4 scaled by 2**15 is 131072, which
-  float16 would hold as inf, and an unscaled float16 gradient would lose
-  what falls below float16's normals. fp8 leaves (quantisation metadata,
-  not gradients of the loss) are left as they are.
-  """
-  def mul(x):
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-      for f in factors:
-        x = x * f
-      return x
-    if not is_inexact(x) or is_low_bit_float(x.dtype):
-      return x
-    x = jnp.asarray(x)
-    wide = wide_dtype(x.dtype)
-    out = x.astype(wide)
-    for f in factors:
-      out = out * f.astype(wide)
-    return out
-
-  return jax.tree_util.tree_map(mul, tree)
-
-
-def _unscaled(tree: T, loss_scale: jax.Array) -> T:
-  """``tree / loss_scale``, by two normal factors: ``1 / loss_scale`` is
-  subnormal above ``2**126``, where XLA flushes it to 0 (and every gradient
-  with it). The same as one multiplication by ``1 / loss_scale`` below."""
-  m, e = _exact.reciprocal_factor(loss_scale.astype(jnp.float32))
-  # Behind a barrier: where the scale is a constant of a jitted function (a
-  # scale closed over), XLA's algebraic simplifier would fold ``(g * a) * b``
-  # into ``g * (a * b)``, and ``a * b`` is the subnormal factor again.
-  pair = jax.lax.optimization_barrier(_exact.normal_pair(m, e, jnp.float32))
-  return _multiply(tree, *pair)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +67,7 @@ class NoOpLossScale:
     return tree
 
   def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
-    _check_flag(grads_finite, "NoOpLossScale.adjust(grads_finite)")
+    _scaling.check_flag(grads_finite, "NoOpLossScale.adjust(grads_finite)")
     return self
 
 
@@ -162,13 +97,13 @@ class StaticLossScale:
     object.__setattr__(self, "loss_scale", scale)
 
   def scale(self, tree: T) -> T:
-    return _multiply(tree, self.loss_scale)
+    return _scaling.multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _unscaled(tree, self.loss_scale)
+    return _scaling.unscaled(tree, self.loss_scale)
 
   def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
-    _check_flag(grads_finite, "StaticLossScale.adjust(grads_finite)")
+    _scaling.check_flag(grads_finite, "StaticLossScale.adjust(grads_finite)")
     return self
 
 
@@ -307,10 +242,10 @@ class DynamicLossScale:
       object.__setattr__(self, field, value)
 
   def scale(self, tree: T) -> T:
-    return _multiply(tree, self.loss_scale)
+    return _scaling.multiply(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    return _unscaled(tree, self.loss_scale)
+    return _scaling.unscaled(tree, self.loss_scale)
 
   def _grown(self) -> jax.Array:
     """The scale times ``factor``, capped at ``max_loss_scale`` (kept if inf)."""
@@ -328,7 +263,7 @@ class DynamicLossScale:
 
   def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
     """Returns the next state dependent on whether grads are finite."""
-    finite = _check_flag(grads_finite, "DynamicLossScale.adjust(grads_finite)")
+    finite = _scaling.check_flag(grads_finite, "DynamicLossScale.adjust(grads_finite)")
     # Under shard_map(check_vma=True) a flag that differs between devices
     # would make the replicated scale diverge; reduce it with axis_name.
     _replicas.check_decision(finite, None, "DynamicLossScale.adjust",
@@ -382,7 +317,7 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
     >>> bool(jmp_lite.all_finite({"a": jnp.ones(3), "b": jnp.array([jnp.nan])}))
     False
   """
-  axis_name = _check_axis_name(axis_name, "all_finite")
+  axis_name = _scaling.check_axis_name(axis_name, "all_finite")
   # Python floats count, as in jmp (where `jnp.isfinite(float("nan"))` is False).
   leaves = [jnp.asarray(x) if isinstance(x, float) else x
             for x in jax.tree_util.tree_leaves(tree)]
@@ -404,12 +339,12 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
   gives arrays, as in jmp.
 
   Raises:
-    _FlagError: (a ValueError) if ``pred`` is not a boolean scalar.
+    ValueError: if ``pred`` is not a boolean scalar.
     ValueError: if ``a`` and ``b`` differ in structure, or a leaf differs in
       shape or dtype (the message names its path).
     TypeError: if a leaf that is not an array differs between ``a`` and ``b``.
   """
-  pred = _check_flag(pred, "select_tree(pred)")
+  pred = _scaling.check_flag(pred, "select_tree(pred)")
   a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
   b_leaves, b_def = jax.tree_util.tree_flatten_with_path(b)
   if a_def != b_def:
@@ -448,16 +383,3 @@ def select_tree(pred: jax.Array, a: T, b: T) -> T:
           f"{sx.dtype}{list(sx.shape)} in a but {sy.dtype}{list(sy.shape)} in b.")
     out.append(jax.lax.select(pred, x, y))
   return jax.tree_util.tree_unflatten(a_def, out)
-
-
-def _check_axis_name(axis_name: AxisName, what: str) -> AxisName:
-  """Returns ``axis_name`` (None, a name, or a tuple of names), or raises showing it."""
-  if axis_name is None:
-    return None
-  axes = (axis_name,) if isinstance(axis_name, str) else axis_name
-  if (not isinstance(axes, (tuple, list)) or not axes
-      or not all(isinstance(a, str) and a for a in axes)):
-    raise TypeError(
-        f"{what}: axis_name must be a mesh axis name or a tuple of them, got "
-        f"{axis_name!r}.")
-  return axes[0] if len(axes) == 1 else tuple(axes)

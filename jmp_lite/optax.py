@@ -63,6 +63,7 @@ from jmp_lite._guard_state import get_loss_scale
 from jmp_lite._guard_state import _contains_loss_scale_state
 from jmp_lite._guard_state import _no_nonfinite
 from jmp_lite import _replicas
+from jmp_lite import _scaling
 from jmp_lite import _struct
 from jmp_lite import _unscale
 from jmp_lite import loss_scale as ls_lib
@@ -99,42 +100,6 @@ __all__ = (
 # Defined beside the guard's state logic; documented, pickled and shown as here.
 for _public in (LossScaleState, NonFinite, find_loss_scale_state, get_loss_scale):
   _public.__module__ = __name__
-
-
-def _observe(fp8, amax, axis_name):
-  """This micro-batch's fp8 maxima max-reduced into the state."""
-  if (fp8 is None) != (amax is None):
-    raise ValueError(
-        "with_loss_scale.update: " + (
-            "the state has fp8 metadata (fp8=), so update needs the step's "
-            "fp8 maxima as fp8_amax= (TrainState.minimize passes them)"
-            if amax is None else
-            "fp8_amax= was given but the state has no fp8 metadata (pass fp8= "
-            "to with_loss_scale or TrainState.create)"))
-  if fp8 is None:
-    return None
-  if axis_name is not None:
-    amax = jax.tree.map(lambda a: jax.lax.pmax(a, axis_name), amax)
-  return fp8.observe(amax)
-
-
-def _fp8_step_end(fp8, old_scale, new_scale):
-  """The step's maxima (measured under ``old_scale``) recorded, and the
-  gradient histories moved to ``new_scale``."""
-  if fp8 is None:
-    return None
-  return (fp8.follow_loss_scale(old_scale.loss_scale).commit()
-          .follow_loss_scale(new_scale.loss_scale))
-
-
-def _no_op_updates(update_fn) -> Any:
-  """``-0.0`` in the shapes and dtypes of the updates ``update_fn()`` returns.
-
-  ``x + -0.0`` is ``x`` for every ``x`` (``+0.0`` would turn ``-0.0`` params
-  into ``+0.0``), so these updates leave params bitwise unchanged.
-  """
-  shapes = jax.eval_shape(update_fn)[0]
-  return jax.tree.map(lambda s: jnp.full_like(s, -0.0), shapes)
 
 
 def with_loss_scale(
@@ -262,7 +227,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
       raise ValueError(
           f"with_loss_scale: clip_norm must be > 0 and finite, got {clip_norm!r}")
     clip_norm = float(clip_norm)
-  axis_name = ls_lib._check_axis_name(axis_name, "with_loss_scale")
+  axis_name = _scaling.check_axis_name(axis_name, "with_loss_scale")
   if (isinstance(accumulate_steps, (bool, np.bool_))
       or not isinstance(accumulate_steps, (int, float, np.integer, np.floating))):
     raise TypeError(
@@ -371,7 +336,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     new_scale = _guard_state.adjust(state.loss_scale, finite, measured)
     new_state = state._replace(
         loss_scale=new_scale,
-        fp8=_fp8_step_end(state.fp8, state.loss_scale, new_scale),
+        fp8=_guard_state.fp8_step_end(state.fp8, state.loss_scale, new_scale),
         inner_state=inner_state,
         skipped=~applied,
         skipped_steps=state.skipped_steps + (~applied).astype(jnp.int32),
@@ -404,7 +369,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     # Telemetry's measures for a loss scale that reads them (its MEASURES): this
     # transformation's own extra arguments, not the inner optimizer's.
     measured = _guard_state.pop_measures(extra_args)
-    state = state._replace(fp8=_observe(state.fp8, extra_args.pop("fp8_amax", None),
+    state = state._replace(fp8=_guard_state.observe_fp8(state.fp8, extra_args.pop("fp8_amax", None),
                                         axis_name))
     scale = state.loss_scale.loss_scale.astype(jnp.float32)
     if k == 1:
@@ -438,7 +403,7 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     def wait():
       # ``skipped``: whether this call's batch was dropped (what a BatchNorm
       # step selects its statistics with), not the last completed step's.
-      return _no_op_updates(emit), state._replace(
+      return _guard_state.no_op_updates(emit), state._replace(
           mini_step=state.mini_step + 1, acc_grads=acc, acc_finite=acc_finite,
           acc_measures=acc_measures, skipped=~ok)
 

@@ -24,6 +24,7 @@ import optax
 from jmp_lite import _guard_state
 from jmp_lite import _dtypes
 from jmp_lite import _replicas
+from jmp_lite import _scaling
 from jmp_lite import _scaled_grad
 from jmp_lite import _struct
 from jmp_lite import _unscale
@@ -216,7 +217,7 @@ class TrainState(flax.struct.PyTreeNode):
       _warn_narrow_params(apply_fn, params)
     if loss_scale is None:
       loss_scale = ls_lib.NoOpLossScale()
-    axis_name = ls_lib._check_axis_name(axis_name, "TrainState.create")
+    axis_name = _scaling.check_axis_name(axis_name, "TrainState.create")
     tx = jo.with_loss_scale(tx, loss_scale, clip_norm=clip_norm,
                             accumulate_steps=accumulate_steps, axis_name=axis_name,
                             fp8=fp8, max_stalled_steps=max_stalled_steps)
