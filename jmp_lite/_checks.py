@@ -382,9 +382,12 @@ def inner_blind_to_dtypes(init, params: Any, copies: Any, inner_state: Any) -> N
   a state of another structure for the leaves in their stored dtypes
   (traced only, `jax.eval_shape`).
   """
-  narrow = [c is not None and np.dtype(c.dtype) != np.dtype(p.dtype)
-            for p, c in zip(jax.tree.leaves(params),
-                            jax.tree.leaves(copies, is_leaf=lambda x: x is None))]
+  # Leaf by leaf on the tree's structure (a None parameter, which Equinox's
+  # filtered models hold, has a None copy); a non-array leaf has no dtype.
+  narrow = jax.tree.leaves(jax.tree.map(
+      lambda p, c: (c is not None and hasattr(c, "dtype") and hasattr(p, "dtype")
+                    and np.dtype(c.dtype) != np.dtype(p.dtype)),
+      params, copies, is_leaf=lambda x: x is None))
   if not any(narrow):
     return
   as_stored = jax.tree.map(lambda p, c: None if c is None else p, params, copies,

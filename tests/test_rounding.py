@@ -275,6 +275,30 @@ def test_a_choice_by_dtype_inside_the_guard_is_refused(split):
   assert guarded["w"].dtype == jnp.bfloat16
 
 
+def test_a_choice_by_dtype_is_refused_past_none_and_function_leaves():
+  """Equinox's filtered models hold None (and a whole model, functions) among
+  their leaves. The check paired the parameters' leaves, without the Nones,
+  with the copies' leaves, with them: past a None the pairs shifted, so a
+  mask by dtype was accepted and Kahan applied to nothing, and a None before
+  a function leaf raised a bare ``AttributeError`` at ``init``."""
+  mask = lambda p: jax.tree.map(lambda x: x.dtype == jnp.bfloat16, p)
+  inner = optax.chain(optax.sgd(1e-3), optax.masked(jo.kahan_summation(), mask))
+  for params in ({"a": None, "b": jnp.ones(3, jnp.bfloat16)},
+                 {"a": None, "b": jnp.ones(3, jnp.bfloat16), "c": jax.nn.relu}):
+    with pytest.raises(ValueError, match="chooses parameters by dtype"):
+      jo.with_loss_scale(inner, jmp_lite.NoOpLossScale()).init(params)
+  # No choice by dtype: taken, and the step is plain optax's on the array.
+  params = {"a": None, "b": jnp.ones(3), "c": jax.nn.relu}
+  tx = jo.with_loss_scale(optax.sgd(0.1, momentum=0.9), jmp_lite.NoOpLossScale())
+  state = tx.init(params)
+  grads = {"a": None, "b": jnp.full(3, 0.5), "c": None}
+  # ``eqx.filter(model, eqx.is_array)``: what Equinox passes to ``update``.
+  updates, _ = tx.update(grads, state, {"a": None, "b": params["b"], "c": None})
+  plain = optax.sgd(0.1, momentum=0.9)
+  want, _ = plain.update({"b": grads["b"]}, plain.init({"b": params["b"]}))
+  np.testing.assert_array_equal(updates["b"], want["b"])
+
+
 @ROUNDERS
 @pytest.mark.parametrize("guard", [False, True])
 def test_rounding_inside_with_state_dtype_rounds_the_stored_params(rounder, guard):
