@@ -257,7 +257,7 @@ def autocast(fun: Callable[..., Any],
     traced = [i for i, x in enumerate(leaves)
               if isinstance(x, (jax.Array, np.ndarray))]
     flat = [leaves[i] for i in traced]
-    out_trees = []
+    out_trees, static_out = [], {}
 
     def flat_fun(*flat_args):
       full = list(leaves)
@@ -266,12 +266,19 @@ def autocast(fun: Callable[..., Any],
       a, k = jax.tree_util.tree_unflatten(in_tree, full)
       out, out_tree = jax.tree_util.tree_flatten(fun(*a, **k))
       out_trees.append(out_tree)
-      return out
+      # Output leaves that are not arrays (an Equinox model's activation
+      # functions, flags) are returned as they are, as the arguments' are.
+      static_out.clear()
+      static_out.update({i: x for i, x in enumerate(out)
+                         if not isinstance(x, (jax.Array, np.ndarray, np.generic))})
+      return [x for i, x in enumerate(out) if i not in static_out]
 
     closed = jax.make_jaxpr(flat_fun)(*flat)
     outs = _autocast.eval_jaxpr(closed.jaxpr, closed.consts, flat, rules)
-    outs = [_autocast.cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals)]
-    return jax.tree_util.tree_unflatten(out_trees[-1], outs)
+    outs = iter(_autocast.cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals))
+    n = out_trees[-1].num_leaves
+    return jax.tree_util.tree_unflatten(
+        out_trees[-1], [static_out[i] if i in static_out else next(outs) for i in range(n)])
 
   # The engine traces the interpreted function once per argument structure
   # and gives every matmul the interpreter leaves narrow (custom rules,

@@ -141,6 +141,31 @@ def test_output_dtypes_are_those_of_fun():
   assert got == want
 
 
+def test_outputs_that_are_not_arrays_are_returned_as_they_are():
+  """Arguments that are not arrays (an Equinox model's activation functions)
+  were taken, but outputs were all handed to ``make_jaxpr``: a step returning
+  the updated Equinox model raised ``TypeError: ... returned a value of type
+  custom_jvp``. The oracle is the function itself: the same objects, and
+  its arrays."""
+  def fun(w, x, act):
+    return {"y": act(x @ w), "act": act, "tag": "layer", "n": x.shape[0], "none": None}
+  g = autocast(fun, jnp.bfloat16)
+  for rows in (2, 3, 2):  # eagerly, a cached trace's outputs follow the shapes
+    w, x = jnp.ones((4, 3)), jnp.ones((rows, 4))
+    got, want = g(w, x, jax.nn.relu), fun(w, x, jax.nn.relu)
+    assert got["act"] is jax.nn.relu and got["tag"] == "layer" and got["none"] is None
+    assert got["n"] == rows and isinstance(got["n"], int)
+    assert got["y"].dtype == want["y"].dtype == jnp.float32
+    np.testing.assert_array_equal(got["y"], want["y"])
+
+  @jax.jit
+  def traced(w, x):  # inside a trace (Equinox's filter_jit returns the rest)
+    out = g(w, x, jax.nn.relu)
+    assert out["act"] is jax.nn.relu and out["n"] == 2
+    return out["y"]
+  np.testing.assert_array_equal(traced(w, x), want["y"])
+
+
 def test_kwargs_and_python_scalars():
   fun = lambda x, *, scale: jnp.exp(x @ x) * scale
   x = jnp.eye(3) * 0.5

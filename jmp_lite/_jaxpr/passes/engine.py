@@ -231,6 +231,17 @@ def _freeze(x):
   return x
 
 
+def _is_array(x) -> bool:
+  """Whether an output leaf is a value a jitted function can return."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _signature(arrays) -> tuple:
+  """What a jitted function's trace is specialised on, of its array arguments."""
+  return tuple((x.shape, x.dtype, getattr(x, "weak_type", False))
+               for x in arrays)
+
+
 def rewrite(closed, *, strict: bool = False, islands: bool = True,
             reduce_dtype=None, sink: bool = True):
   """``closed`` (a `ClosedJaxpr`) with every narrow matmul accumulating in f32.
@@ -264,7 +275,7 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
   rewritten jaxpr equation by equation instead, as the function itself runs
   eagerly (no fusion across its operations).
   """
-  jitted: dict[Any, Callable[..., Any]] = {}
+  jitted: dict[Any, tuple[Callable[..., Any], dict]] = {}
 
   def run(dynamic, leaves, traced, treedef):
     def flat_fun(*dynamic):
@@ -280,7 +291,7 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
       out_leaves, out_tree = jax.tree_util.tree_flatten(flat_fun(*dynamic))
       arrays = []
       for i, x in enumerate(out_leaves):
-        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        if _is_array(x):
           arrays.append(x)
         else:
           static_out[i] = x
@@ -320,12 +331,23 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
       # The cached function closes over the static leaves only: holding the
       # first call's arrays would keep them alive as long as ``fun``.
       skeleton = [None if i in traced else x for i, x in enumerate(leaves)]
+      # Output leaves that are not arrays (an Equinox model's functions)
+      # cannot leave a jitted function: kept here, by the arguments' types,
+      # as they are made when it traces.
+      statics = {}
 
       def compiled(*d):
-        return run(list(d), skeleton, traced, treedef)
+        out, out_tree = jax.tree_util.tree_flatten(run(list(d), skeleton, traced, treedef))
+        static = {i: x for i, x in enumerate(out) if not _is_array(x)}
+        statics[_signature(d)] = (out_tree, static)
+        return [x for i, x in enumerate(out) if i not in static]
       # Named, so that compilation logs (and tests) can tell it apart.
       compiled.__name__ = compiled.__qualname__ = ENGINE_JIT_NAME
-      jitted[key] = jax.jit(compiled)
-    return jitted[key](*dynamic)
+      jitted[key] = (jax.jit(compiled), statics)
+    call, statics = jitted[key]
+    arrays = iter(call(*dynamic))
+    out_tree, static = statics[_signature(dynamic)]
+    return jax.tree_util.tree_unflatten(out_tree, [
+        static[i] if i in static else next(arrays) for i in range(out_tree.num_leaves)])
 
   return rewritten
