@@ -126,6 +126,9 @@ class _LinenInterceptor:
     # child, not as the model (whose row it was merged into).
     self.scope_root = scope_root
     self.paths: list[str] = []
+    # (type, name) of each module on the stack: a lifted transform's copy of
+    # the running module is that module, not its child.
+    self.owners: list[tuple] = []
     self.seen: dict[str, Policy] = {}  # every module called under it: its policy
     self.stack: list[Optional[Policy]] = []
     # The clones methods ran on, alive as long as the call: a submodule a
@@ -196,6 +199,13 @@ class _LinenInterceptor:
     if self.scope_root is None and not self.paths:
       self.scope_root = root  # the outermost module's
     if self.paths and module.name and root is not None and root is not self.scope_root:
+      # A scope of its own: a module applied on its own inside the model (a
+      # tied head's ``lm_head.apply``) is its caller's child, and so is each
+      # module a lifted function (``nn.cond``, ``nn.scan`` of a function) makes;
+      # the copy such a function is given of the module calling it is that
+      # module.
+      if self.owners and self.owners[-1] == (type(module), module.name):
+        return self.paths[-1]
       return "/".join(p for p in (self.paths[-1], module.name) if p)
     return path_str(self.prefix + tuple(module.path[len(self.root):]))
 
@@ -206,6 +216,7 @@ class _LinenInterceptor:
     method = getattr(type(module), context.method_name, None)
     self.stack.append(policy)
     self.paths.append(path)
+    self.owners.append((type(module), module.name))
     try:
       if method is None:  # a function passed as `method=`: cast only.
         out = next_fun(*args, **kwargs)
@@ -228,6 +239,7 @@ class _LinenInterceptor:
     finally:
       self.stack.pop()
       self.paths.pop()
+      self.owners.pop()
     # In a telemetry trace: the module's output as it computed it. The
     # model's own output is marked after its cast to the output dtype, so that
     # the backward pass's cast of the loss's cotangent back to the compute

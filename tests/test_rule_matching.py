@@ -15,6 +15,7 @@ from flax import nnx
 from flax.nnx import bridge
 
 import jmp_lite.flax as jflax
+from jaxprs import equations
 
 POLICY = "p=f32,c=bf16,o=f32"
 
@@ -143,3 +144,57 @@ def test_nnx_policy_map_lists_linen_modules_inside_a_bridge():
   assert str(listed["enc/LayerNorm_0"]) == "p=f32,c=f32,o=f32"  # default rule
   # Without inputs, the bridge is one row, as before.
   assert list(jflax.policy_map(wrapped)) == ["enc", "head", ""]
+
+
+class _Inner(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return nn.Dense(8, name="d")(h)
+
+
+class _Lifted(nn.Module):
+  """A Dense reached through a Linen transform of a function, which gives the
+  modules the function makes a scope of their own."""
+  kind: str
+
+  @nn.compact
+  def __call__(self, x):
+    if self.kind == "cond":
+      return nn.cond(True, lambda m, h: _Inner(name="t")(h),
+                     lambda m, h: -_Inner(name="t")(h), self, x)
+    if self.kind == "switch":
+      return nn.switch(1, [lambda m, h: _Inner(name="t")(h),
+                           lambda m, h: -_Inner(name="t")(h)], self, x)
+    if self.kind == "while_loop":
+      def body(m, c):
+        return c[0] + 1, _Inner(name="t")(c[1])
+      if self.is_initializing():  # a loop cannot create parameters
+        return body(self, (0, x))[1]
+      return nn.while_loop(lambda m, c: c[0] < 2, body, self, (0, x),
+                           broadcast_variables="params")[1]
+    if self.kind == "scan_layers":
+      def layer(m, h, _):
+        return _Inner(name="t")(h), None
+      return nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=3)(self, x, None)[0]
+    return _Lifted("scan_layers", name="sub")(x)  # the same, one level down
+
+
+@pytest.mark.parametrize("kind", ["cond", "switch", "while_loop", "scan_layers", "nested"])
+def test_a_rule_reaches_a_module_a_lifted_function_makes(kind):
+  """The copy of the calling module that a lifted function is given was named
+  as its own child (``module/t/d``, the wrapper's field name): a rule for
+  the Dense's parameter path was silently ignored while ``policy_map`` said
+  it applied, and its matmul ran in bf16. Oracle: Flax's parameter paths,
+  and the dtypes of the matmuls in the jaxpr."""
+  x = jnp.ones((2, 8))
+  params = _Lifted(kind).init(jax.random.key(0), x)["params"]
+  path = "/".join(str(k.key) for k in jax.tree_util.tree_leaves_with_path(params)[0][0][:-1])
+  assert path == ("sub/t/d" if kind == "nested" else "t/d")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jflax.UnmatchedRuleWarning)
+    model = jflax.wrap(_Lifted(kind), "p=f32,c=bf16,o=f32", rules={path: "p=f32,c=f32,o=f32"})
+    assert str(jflax.policy_map(model, x)[path]) == "p=f32,c=f32,o=f32"
+    closed = jax.make_jaxpr(lambda p: model.apply({"params": p}, x))(params)
+  dots = [e for e in equations(closed.jaxpr) if "dot" in e.primitive.name]
+  assert dots and {str(v.aval.dtype) for e in dots for v in e.invars} == {"float32"}
