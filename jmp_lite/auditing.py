@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
 import jax
+import numpy as np
 
 from jmp_lite._audit_report import AuditReport
 from jmp_lite._audit_report import AuditRow
@@ -67,6 +68,10 @@ __all__ = ("audit", "AuditReport", "AuditRow", "FLAGS", "HALF_MATMUL",
            "CONVERT_ROUND_TRIP", "MIN_REDUCTION_SIZE")
 
 MIN_REDUCTION_SIZE = 16
+
+
+# What `jax.make_jaxpr` traces: every other leaf is static.
+_VALUES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
 
 
 def audit(fun: Callable[..., Any], *args,
@@ -116,7 +121,19 @@ def audit(fun: Callable[..., Any], *args,
   if policy is not None:
     target = (policy.autocast_dtype if policy.autocast_dtype is not None
               else policy.compute_dtype)
-  closed = jax.make_jaxpr(fun, axis_env=axis_env)(*args, **kwargs)
+  # Leaves that are not values (an Equinox model's functions, flags) are
+  # passed as they are, as `autocast` and `value_and_grad` take them.
+  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+  traced = [i for i, x in enumerate(leaves) if isinstance(x, _VALUES)]
+
+  def traced_fun(*values):
+    full = list(leaves)
+    for i, x in zip(traced, values):
+      full[i] = x
+    a, k = jax.tree_util.tree_unflatten(tree, full)
+    return fun(*a, **k)
+
+  closed = jax.make_jaxpr(traced_fun, axis_env=axis_env)(*[leaves[i] for i in traced])
   half = target is not None and _audit.is_half(target)
   auditor = _audit.Auditor(half_policy=half,
                            min_reduction_size=min_reduction_size)

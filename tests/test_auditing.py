@@ -199,3 +199,18 @@ def test_flag_names_are_exported():
   assert audit_lib.FLAGS == ("half_matmul", "half_reduction", "half_exp_log",
                              "f32_matmul",
                              "half_all_reduce", "convert_round_trip")
+
+
+def test_arguments_that_are_not_values_reach_the_function_as_they_are():
+  """An Equinox model holds its activation among its leaves, which
+  ``make_jaxpr`` refuses (``TypeError: ... is not a valid JAX type``) where
+  ``autocast`` and ``value_and_grad`` take it. Oracle: the jaxpr of the same
+  function with the activation closed over."""
+  def fun(layer, x):
+    return layer["act"](x @ layer["w"].astype(jnp.bfloat16))
+  layer = {"w": jnp.ones((4, 3)), "act": jax.nn.relu, "name": "dense"}
+  x = jnp.ones((2, 4), jnp.bfloat16)
+  report = audit(fun, layer, x)
+  want = audit(lambda w, x: fun({"w": w, "act": jax.nn.relu}, x), layer["w"], x)
+  assert report.rows == want.rows
+  assert report.count(primitive="dot_general", operand_dtype=jnp.bfloat16) == 1
