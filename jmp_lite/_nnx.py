@@ -143,7 +143,7 @@ class NnxWrapper(nnx.Module):
     if fp8 is not None:
       from jmp_lite._jaxpr.passes import instrument as _instrument  # pylint: disable=g-import-not-at-top
       out, updates = _instrument.forward(run, fp8, self.rules, graphdef, state,
-                                         *args, **kwargs)
+                                         *args, params=(2,), **kwargs)
     else:
       warn_if_fp8_unplaced(self.rules)
       try:

@@ -73,8 +73,10 @@ def fp8_sites(fun, args, kwargs, *, argnums, has_aux, policy, selection):
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
   policy = get_policy(policy) if policy is not None else None
   scaled = _scaled_fun(fun, nums, has_aux, policy)
+  # The loss scale comes first, so argument i is argument i + 1 of `scaled`.
+  shifted = tuple(i + 1 if i >= 0 else i for i in nums)
   return _instrument.fp8_sites(scaled, (ls_lib.NoOpLossScale(), *args), kwargs,
-                               selection)
+                               selection, params=shifted)
 
 
 def module_scaled_value_and_grad(fun, argnums, has_aux, policy, allow_int=False):

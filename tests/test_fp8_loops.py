@@ -147,6 +147,48 @@ def test_a_scanned_stack_keeps_a_state_per_layer():
   np.testing.assert_array_equal(new.sites["layers/dense"].rhs.amax_history[:, 0], want)
 
 
+class CrossLayer(nn.Module):
+  """A decoder layer: ``kv`` reads the encoder's output, the same in every
+  layer (``nn.broadcast``); ``q`` the carried state."""
+
+  @nn.compact
+  def __call__(self, h, memory):
+    kv = nn.Dense(8, name="kv")(memory)
+    return h + jnp.tanh(nn.Dense(8, name="q")(h)) * jnp.tanh(kv), None
+
+
+class CrossStack(nn.Module):
+  @nn.compact
+  def __call__(self, x, memory):
+    layers = nn.scan(CrossLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=nn.broadcast, length=3)(name="layers")
+    return layers(x, memory)[0]
+
+
+def test_a_stacked_weight_on_a_loop_invariant_input_keeps_a_state_per_layer():
+  """The weight is the layer's, the other operand the same in every layer: by
+  origins alone that is a cell over time with the roles swapped, and the
+  three layers shared one scale (the widest layer's), where Flax's own fp8
+  and the unrolled model keep one each. Oracle: each layer's kernel maximum,
+  by NumPy, in the history; and the inference forward runs on the state."""
+  rng = np.random.default_rng(0)
+  x, memory = (jnp.asarray(rng.standard_normal((4, 8)), jnp.float32) for _ in range(2))
+  model = jmp_lite.flax.wrap(CrossStack(), BF16, rules=FP8)
+  params = model.init(jax.random.key(0), x, memory)["params"]
+  spread = jnp.array([1.0, 30.0, 3000.0])[:, None, None]
+  params["layers"]["kv"]["kernel"] = params["layers"]["kv"]["kernel"] * spread
+  loss = lambda p, x, m: jnp.mean(model.apply({"params": p}, x, m) ** 2)
+  state = jmp_lite.fp8.init(loss, params, x, memory)
+  assert {k: v.rhs.scale.shape for k, v in state.sites.items()} == {
+      "layers/kv": (3,), "layers/q": (3,)}
+  *_, new = jmp_lite.value_and_grad(loss)(params, x, memory, loss_scale=ONE, fp8=state)
+  kernels = np.asarray(params["layers"]["kv"]["kernel"], np.float32)
+  want = [np.abs(k.astype(jnp.bfloat16).astype(np.float32)).max() for k in kernels]
+  np.testing.assert_array_equal(new.sites["layers/kv"].rhs.amax_history[:, 0], want)
+  out = model.apply({"params": params}, x, memory, fp8=new)
+  assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
+
+
 def test_layers_over_depth_each_with_a_loop_over_time():
   for t in (5, 9):
     x = _sequence(t)

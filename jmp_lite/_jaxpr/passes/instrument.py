@@ -188,11 +188,14 @@ def _nested(eqn, invals, carrier, nested: Nested, gate):
   return _traverse.run(eqn, invals, body, share)
 
 
-def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None):
+def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None,
+           params: tuple = ()):
   """``fun`` traced once with marks active: its jaxpr, its plan, how to call it.
 
   ``argnums``: the differentiated arguments (None: every one), which the
-  plan follows to know which values a gradient reaches.
+  plan follows to know which values a gradient reaches. ``params``: the
+  arguments that hold parameters, which tell a scanned stack of layers from
+  a cell scanned over time (the same in every pass of a state: its shapes).
   """
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
   traced = [i for i, x in enumerate(leaves)
@@ -212,12 +215,16 @@ def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None)
 
   with _probes.tapping(), _fp8_sites.placing(planner.fp8 is not None):
     closed = jax.make_jaxpr(flat_fun)(*(leaves[i] for i in traced))
-  return closed, planner.plan(closed.jaxpr, "", live), traced, out_tree
+  params = {a % len(args) for a in params} if args else set()  # -1: the last
+  stored = [owner[i] in params for i in traced]
+  return closed, planner.plan(closed.jaxpr, "", live, stored), traced, out_tree
 
 
-def fp8_sites(fun, args, kwargs, fp8: Fp8Selection) -> list[tuple[str, tuple, tuple]]:
-  """``(name, leading shape, recipe)`` of each fp8 matmul ``fun(*args)`` makes."""
-  _, plan, _, _ = _trace(fun, args, kwargs, Planner(None, (), fp8))
+def fp8_sites(fun, args, kwargs, fp8: Fp8Selection,
+              params: tuple = ()) -> list[tuple[str, tuple, tuple]]:
+  """``(name, leading shape, recipe)`` of each fp8 matmul ``fun(*args)`` makes
+  (``params``: the arguments that hold parameters)."""
+  _, plan, _, _ = _trace(fun, args, kwargs, Planner(None, (), fp8), params=params)
   return [(name, p.state_shape(idx.shape[:-1]), p.recipe) for name, p, idx in sites(plan)]
 
 
@@ -241,7 +248,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
   def g(gate, fp8_state, *args, **kwargs):
     nums = tuple(a % len(args) for a in argnums)  # -1: the last argument
     closed, plan, traced, out_tree = _trace(fun, args, kwargs,
-                                            Planner(mode, what_if, fp8), nums)
+                                            Planner(mode, what_if, fp8), nums, nums)
     slots = sites(plan)
 
     def probed(carrier, *args, **kwargs):
@@ -268,8 +275,10 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
   return g
 
 
-def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
-  """``fun(*args, **kwargs)`` with its fp8 sites run with ``fp8_state``'s scales.
+def forward(fun: Callable[..., Any], fp8_state: Any, *args, params: tuple = (0,),
+            **kwargs) -> Any:
+  """``fun(*args, **kwargs)`` with its fp8 sites run with ``fp8_state``'s scales
+  (``params``: the arguments that hold parameters, as training differentiates).
 
   The sites are chosen as the training step chooses them (the state's
   ``select`` and ``recipe``), and each runs the same forward computation
@@ -282,7 +291,7 @@ def forward(fun: Callable[..., Any], fp8_state: Any, *args, **kwargs) -> Any:
                     f"got {type(fp8_state).__name__}")
   selection = Fp8Selection(fp8_state.select, fp8_state.recipe, fp8_state.scaling)
   closed, plan, traced, out_tree = _trace(fun, args, kwargs,
-                                          Planner(None, (), selection))
+                                          Planner(None, (), selection), params=params)
   carrier = _carrier(plan, sites(plan), fp8_state)
   now = jax.tree_util.tree_leaves((args, kwargs))
   outs, _ = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced], carrier, plan)

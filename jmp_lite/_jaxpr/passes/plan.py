@@ -106,18 +106,25 @@ class Planner:
     plan.points.setdefault(key[0], []).append((key[1], point))
     plan.size += point.width
 
-  def plan(self, jaxpr, prefix: str, live: Optional[Sequence[bool]] = None) -> Plan:
+  def plan(self, jaxpr, prefix: str, live: Optional[Sequence[bool]] = None,
+           params: Optional[Sequence[bool]] = None) -> Plan:
     """The plan of ``jaxpr``. ``live``: which of its inputs a gradient
     reaches (None: all); a value is live if it is computed from a live one,
-    not through ``stop_gradient``."""
+    not through ``stop_gradient``. ``params``: which inputs are parameters
+    (None: none known); a value is one if it is a parameter recast,
+    reshaped or sliced (`_mark_shared` reads it)."""
     plan = Plan()
     alive = {v for v, on in zip(jaxpr.invars, live or [True] * len(jaxpr.invars)) if on}
+    stored = {v for v, on in zip(jaxpr.invars, params or [False] * len(jaxpr.invars)) if on}
     for i, eqn in enumerate(jaxpr.eqns):
       where = _join(prefix, str(eqn.source_info.name_stack))
       ins = [isinstance(v, _internals.core.Var) and v in alive for v in eqn.invars]
+      pins = [isinstance(v, _internals.core.Var) and v in stored for v in eqn.invars]
       out_live = any(ins) and eqn.primitive.name != "stop_gradient"
       if out_live:
         alive.update(eqn.outvars)
+      if pins and pins[0] and eqn.primitive.name in _LAYOUT:
+        stored.update(eqn.outvars)
       tapped = _probes.tap_info(eqn)
       if tapped is not None:
         if self.mode == "modules":
@@ -143,12 +150,13 @@ class Planner:
                      if entered else None)
       if entered:
         # A loop's carry may come to depend on any operand.
-        children = [self.plan(r.jaxpr, where, r.flow(ins, any(ins))) for r in entered]
+        children = [self.plan(r.jaxpr, where, r.flow(ins, any(ins)), r.flow(pins, False))
+                    for r in entered]
         if any(c.size for c in children):
           kind = entered[0].kind
           length = entered[0].length if kind == "scan" else 1
           if kind == "scan":
-            _mark_shared(eqn, children[0])
+            _mark_shared(eqn, children[0], pins)
           plan.nested[i] = Nested(plan.size, kind, children, length, entered)
           plan.size += length * sum(c.size for c in children)
         continue
@@ -161,32 +169,44 @@ class Planner:
     return plan
 
 
-# Where a scan body's values come from (`_mark_shared`).
-_INVARIANT, _CARRIED, _SCANNED = "invariant", "carried", "scanned"
+# Where a scan body's values come from (`_mark_shared`); a layer's: computed
+# from a slice of a stack of parameters.
+_INVARIANT, _CARRIED, _SCANNED, _LAYER = "invariant", "carried", "scanned", "layer"
+# Primitives whose result is their first operand in another layout or dtype,
+# or a part of it: a parameter still (the policy's cast, a stack's slice).
+_LAYOUT = frozenset({
+    "convert_element_type", "reshape", "transpose", "squeeze", "expand_dims",
+    "broadcast_in_dim", "copy", "copy_p", "sharding_constraint", "reduce_precision",
+    "slice", "dynamic_slice", "gather", "index_in_dim"})
 # Primitives that read part of their first operand at indices given by the
 # others (``ws[i]`` in a loop body).
 _INDEXING = frozenset({"dynamic_slice", "gather"})
 
 
-def _mark_shared(eqn, child: Plan) -> None:
+def _mark_shared(eqn, child: Plan, params: Sequence[bool] = ()) -> None:
   """Decides, per fp8 site in a ``scan``'s body, one state per iteration or one in all.
 
-  One per iteration where an operand is computed from the scanned inputs and
-  neither operand is loop-invariant: a scanned stack of layers, each with its
-  own weights (Flax's ``nn.scan`` with ``variable_axes={"params": 0}``, or a
-  ``fori_loop`` reading ``ws[i]``: an invariant array indexed by the carried
-  counter is a scanned input too). One for the whole loop otherwise: a cell
-  scanned over time, whose weights are closed over and whose inputs are
-  carried or sliced from a sequence, so its state does not depend on the
-  sequence's length.
+  One per iteration where an operand is computed from a slice of a stack of
+  parameters (``params``: which of ``eqn``'s operands are parameters), or
+  from the scanned inputs with neither operand loop-invariant: a scanned
+  stack of layers, each with its own weights (Flax's ``nn.scan`` with
+  ``variable_axes={"params": 0}``, its layers' products with an encoder's
+  output broadcast into the scan included, or a ``fori_loop`` reading
+  ``ws[i]``: an invariant array indexed by the carried counter is a scanned
+  input too). One for the whole loop otherwise: a cell scanned over time,
+  whose weights are closed over and whose inputs are carried or sliced from
+  a sequence, so its state does not depend on the sequence's length.
   """
   region, = _traverse.regions(eqn)
   body = region.jaxpr
-  origins = [frozenset({_CARRIED if carried else _SCANNED if sliced else _INVARIANT})
-             for carried, sliced in zip(region.carried, region.sliced)]
+  stacked = region.flow(list(params) or [False] * len(eqn.invars), False)
+  origins = [frozenset({_CARRIED if carried else _SCANNED if sliced else _INVARIANT}
+                       | ({_LAYER} if sliced and param else set()))
+             for carried, sliced, param in zip(region.carried, region.sliced, stacked)]
   for point, operands in _site_operands(body, child, origins):
-    per_iteration = (any(_SCANNED in o for o in operands)
-                     and all(o - {_INVARIANT} for o in operands))
+    per_iteration = any(_LAYER in o for o in operands) or (
+        any(_SCANNED in o for o in operands)
+        and all(o - {_INVARIANT} for o in operands))
     point.shared = (not per_iteration, *point.shared)
 
 
