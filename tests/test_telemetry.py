@@ -753,3 +753,21 @@ def test_a_module_applied_on_its_own_inside_the_model_is_named_as_its_callers_ch
   np.testing.assert_allclose(float(stats.modules["lm_head"].forward_max), head_bf16, rtol=1e-2)
   np.testing.assert_allclose(float(stats.modules[""].forward_max), head_bf16 / 2, rtol=1e-2)
   assert list(jmp_lite.flax.policy_map(model, ids)) == ["", "wte", "lm_head"]
+
+
+def test_modules_mode_on_a_function_without_modules_says_so():
+  """An Equinox or plain JAX loss has no wrapped module: the table came back
+  empty, with nothing to tell it from a model with nothing to report. The
+  ``ops`` mode measures it (oracle: the values the function computes)."""
+  w, x = jnp.full((4, 3), 2.0), jnp.ones((2, 4))
+
+  def loss(w):
+    with jax.named_scope("layer"):
+      return jnp.sum(x @ w)
+
+  with pytest.warns(UserWarning, match="mode='ops'"):
+    stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry())(w)[3]
+  assert stats.modules == {}
+  stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry(mode="ops"))(w)[3]
+  rows = {k: float(m.forward_max) for k, m in stats.modules.items() if "layer" in k}
+  assert list(rows.values()) == [48.0]  # x @ w (8 each) and its sum, in one scope
