@@ -31,6 +31,7 @@ def value_and_grad(
     policy: Optional[Union[Policy, str]] = None,
     axis_name: ls_lib.AxisName = None,
     telemetry: Optional[telemetry_lib.Telemetry] = None,
+    allow_int: bool = False,
 ) -> Callable[..., tuple[Any, ...]]:
   """Like `jax.value_and_grad`, with loss scaling and a finiteness flag.
 
@@ -76,6 +77,9 @@ def value_and_grad(
       `jmp_lite.PrecisionStats` of the same pass, ``(value, grads,
       grads_finite, stats)``, and takes a keyword-only ``telemetry_step``
       (the step number, for ``Telemetry.every``; default: measure).
+    allow_int: as in `jax.value_and_grad`: integer and boolean leaves among
+      the differentiated arguments (an Equinox model partitioned with
+      ``eqx.is_array``) get ``float0`` gradients instead of an error.
 
   The returned function also takes a keyword-only ``fp8``, a
   `jmp_lite.fp8.Fp8State` (from `jmp_lite.fp8.init` on ``fun``): its matmuls
@@ -112,7 +116,7 @@ def value_and_grad(
 
   telemetry = _check_telemetry(telemetry, "value_and_grad")
   scaled_vg = _scaled_grad.scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry,
-                                     axis_name)
+                                     axis_name, allow_int=allow_int)
 
   def wrapped(*args, loss_scale: ls_lib.LossScale = ls_lib.NoOpLossScale(),
               fp8: Optional[Fp8State] = None, **kwargs):
@@ -139,12 +143,12 @@ def value_and_grad(
             "value_and_grad: a ModuleLossScale cannot be combined with telemetry "
             "or fp8 in the same step yet.")
       value, grads, modules = _scaled_grad.module_scaled_value_and_grad(
-          fun, argnums, has_aux, policy)(loss_scale, *args, **kwargs)
+          fun, argnums, has_aux, policy, allow_int)(loss_scale, *args, **kwargs)
       if axis_name is not None:
         modules = jax.lax.psum(modules, axis_name)
     elif fp8 is not None:
       vg = _scaled_grad.scaled_value_and_grad(fun, argnums, has_aux, policy, telemetry, axis_name,
-                                  _selection(fp8))
+                                  _selection(fp8), allow_int=allow_int)
       fp8 = fp8.follow_loss_scale(loss_scale.loss_scale)
       value, grads, stats, amax = vg(step, fp8, loss_scale, *args, **kwargs)
       fp8 = fp8.observe(amax).commit()

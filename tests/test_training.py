@@ -71,6 +71,22 @@ def test_value_and_grad_with_policy_computes_in_compute_dtype():
   assert bool(finite)
 
 
+@pytest.mark.parametrize("policy", [None, "p=f32,c=bf16,o=f32"])
+def test_value_and_grad_allows_integer_leaves_as_jax_does(policy):
+  """An Equinox model partitioned with ``eqx.is_array`` keeps an int leaf
+  among the differentiated ones: ``jax.value_and_grad(allow_int=True)``
+  gives it a float0 gradient, and jmp_lite's had no way to ask. Oracle:
+  JAX's own, on the float leaf and the float0 one."""
+  params = {"w": jnp.full((3,), 2.0), "steps": jnp.int32(4)}
+  f = lambda p: jnp.sum(p["w"] ** 2) * 0.5
+  want_loss, want = jax.value_and_grad(f, allow_int=True)(params)
+  loss, grads, finite = jmp_lite.value_and_grad(f, policy=policy, allow_int=True)(
+      params, loss_scale=jmp_lite.StaticLossScale(1024.0))
+  assert bool(finite) and float(loss) == float(want_loss)
+  np.testing.assert_array_equal(grads["w"], want["w"])
+  assert grads["steps"].dtype == want["steps"].dtype == jax.dtypes.float0
+
+
 def test_value_and_grad_argnums_and_non_finite_flag():
   f = lambda a, b: jnp.sum(a * b)
   _, grads, finite = jmp_lite.value_and_grad(f, argnums=(0, 1))(
