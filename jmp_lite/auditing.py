@@ -53,6 +53,7 @@ import numpy as np
 
 from jmp_lite._audit_report import AuditReport
 from jmp_lite._audit_report import AuditRow
+from jmp_lite._jaxpr import arguments as _arguments
 from jmp_lite._jaxpr.passes import audit as _audit
 from jmp_lite._jaxpr.passes.audit import CONVERT_ROUND_TRIP
 from jmp_lite._jaxpr.passes.audit import F32_MATMUL
@@ -123,14 +124,10 @@ def audit(fun: Callable[..., Any], *args,
               else policy.compute_dtype)
   # Leaves that are not values (an Equinox model's functions, flags) are
   # passed as they are, as `autocast` and `value_and_grad` take them.
-  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-  traced = [i for i, x in enumerate(leaves) if isinstance(x, _VALUES)]
+  leaves, tree, traced = _arguments.split(args, kwargs, _VALUES)
 
   def traced_fun(*values):
-    full = list(leaves)
-    for i, x in zip(traced, values):
-      full[i] = x
-    a, k = jax.tree_util.tree_unflatten(tree, full)
+    a, k = _arguments.refill(leaves, traced, tree, values)
     return fun(*a, **k)
 
   closed = jax.make_jaxpr(traced_fun, axis_env=axis_env)(*[leaves[i] for i in traced])

@@ -121,6 +121,7 @@ import jax
 import numpy as np
 
 from jmp_lite._jaxpr import accumulate as _accumulate
+from jmp_lite._jaxpr import arguments as _arguments
 from jmp_lite._jaxpr.passes import autocast as _autocast
 from jmp_lite._jaxpr.passes import engine as _engine
 from jmp_lite.oplists import DEFAULT_BLACK_LIST
@@ -253,17 +254,12 @@ def autocast(fun: Callable[..., Any],
   def interpreted(*args, **kwargs):
     # Array leaves are traced; other leaves (a Flax module, flags) are passed
     # as they are.
-    leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-    traced = [i for i, x in enumerate(leaves)
-              if isinstance(x, (jax.Array, np.ndarray))]
+    leaves, in_tree, traced = _arguments.split(args, kwargs)
     flat = [leaves[i] for i in traced]
     out_trees, static_out = [], {}
 
     def flat_fun(*flat_args):
-      full = list(leaves)
-      for i, x in zip(traced, flat_args):
-        full[i] = x
-      a, k = jax.tree_util.tree_unflatten(in_tree, full)
+      a, k = _arguments.refill(leaves, traced, in_tree, flat_args)
       out, out_tree = jax.tree_util.tree_flatten(fun(*a, **k))
       out_trees.append(out_tree)
       # Output leaves that are not arrays (an Equinox model's activation

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._jaxpr import arguments as _arguments
 from jmp_lite._jaxpr.passes import calibrate as _calibrate
 from jmp_lite import loss_scale as ls_lib
 from jmp_lite.policy import Policy, get_policy
@@ -197,14 +198,11 @@ def calibrate(
 
   # Array leaves of the batch are traced; the others (``train=False``, a
   # name, None) reach loss_fn as the Python values they are.
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  is_array = [isinstance(v, (jax.Array, np.ndarray, np.generic)) for v in leaves]
-  arrays = [v for v, a in zip(leaves, is_array) if a]
+  leaves, treedef, traced = _arguments.split(args, kwargs, (*_arguments.ARRAYS, np.generic))
+  arrays = [leaves[i] for i in traced]
 
   def fun(p, arrays):
-    it = iter(arrays)
-    a, k = jax.tree_util.tree_unflatten(
-        treedef, [next(it) if arr else v for v, arr in zip(leaves, is_array)])
+    a, k = _arguments.refill(leaves, traced, treedef, arrays)
     return loss_fn(p, *a, **k)
 
   closed = jax.make_jaxpr(fun)(params, arrays)

@@ -34,6 +34,7 @@ import numpy as np
 
 from jmp_lite import _dtypes
 from jmp_lite._jaxpr import accumulate as _accumulate
+from jmp_lite._jaxpr import arguments as _arguments
 from jmp_lite._jaxpr import internals as _internals
 from jmp_lite._jaxpr import module_scales as _module_scales
 from jmp_lite._jaxpr.passes import islands as _islands
@@ -279,10 +280,7 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
 
   def run(dynamic, leaves, traced, treedef):
     def flat_fun(*dynamic):
-      full = list(leaves)
-      for i, x in zip(traced, dynamic):
-        full[i] = x
-      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      a, k = _arguments.refill(leaves, traced, treedef, dynamic)
       return fun(*a, **k)
 
     static_out = {}
@@ -309,9 +307,7 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
 
   @functools.wraps(fun)
   def rewritten(*args, **kwargs):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    traced = tuple(i for i, x in enumerate(leaves)
-                   if isinstance(x, (jax.Array, np.ndarray)))
+    leaves, treedef, traced = _arguments.split(args, kwargs)
     dynamic = [leaves[i] for i in traced]
     # In a probe trace the marks `fun` makes must be made again (a cached
     # trace holds the marks of the trace it was made in): a model without

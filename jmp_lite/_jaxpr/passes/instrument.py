@@ -51,6 +51,7 @@ import numpy as np
 
 from jmp_lite import _fp8_numerics
 from jmp_lite import _fp8_state
+from jmp_lite._jaxpr import arguments as _arguments
 from jmp_lite._jaxpr import fp8_sites as _fp8_sites
 from jmp_lite._jaxpr import internals as _internals
 from jmp_lite._jaxpr.passes.plan import decode, forward_slots, sites
@@ -197,19 +198,14 @@ def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None,
   arguments that hold parameters, which tell a scanned stack of layers from
   a cell scanned over time (the same in every pass of a state: its shapes).
   """
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  traced = [i for i, x in enumerate(leaves)
-            if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+  leaves, treedef, traced = _arguments.split(args, kwargs, (*_arguments.ARRAYS, np.generic))
   owner = [a for a, arg in enumerate(args) for _ in jax.tree_util.tree_leaves(arg)]
   owner += [None] * (len(leaves) - len(owner))  # keyword arguments
   live = None if argnums is None else [owner[i] in argnums for i in traced]
   out_tree = {}
 
   def flat_fun(*dynamic):
-    full = list(leaves)
-    for i, x in zip(traced, dynamic):
-      full[i] = x
-    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    a, k = _arguments.refill(leaves, traced, treedef, dynamic)
     out, out_tree["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
     return out
 
