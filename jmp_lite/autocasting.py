@@ -51,9 +51,9 @@ conv_general_dilated  conv1d/2d/3d, conv_transpose1d/2d/3d    nn.Conv1d/2d/3d an
 exp, exp2, expm1      exp, expm1                              --
 log, log1p            log, log10, log2, log1p                 --
 pow, integer_pow,     pow (``x ** 2``; float16's range ends   --
-square                at 65504, so a square overflows from
-                      256)
-rsqrt                 rsqrt, layer_norm, group_norm, norm     nn.LayerNorm, nn.BatchNorm*d
+square, ``x * x``     at 65504, so a square overflows from
+                      256), norm, normalize
+rsqrt                 rsqrt, layer_norm, group_norm           nn.LayerNorm, nn.BatchNorm*d
 logistic              binary_cross_entropy_with_logits        --
 erf_inv               erfinv                                  --
 acos, asin, cosh,     acos, asin, cosh, sinh, tan             --
@@ -71,10 +71,14 @@ complex, conj         (complex values: complex64 and up)      --
 random_gamma          (sampling is not autocast)              --
 ====================  ======================================  ==============================
 
-Softmax, log-softmax, logsumexp and layer/RMS normalisation are built from
-these pieces in JAX, so they run in float32 as a whole: ``reduce_max``,
-``exp``, ``reduce_sum``, ``log`` and ``rsqrt`` are black, and the ``sub`` and
-``div`` between them follow their (now float32) inputs.
+Softmax, log-softmax, logsumexp, norms and layer/RMS normalisation are built
+from these pieces in JAX, so they run in float32 as a whole: ``reduce_max``,
+``exp``, ``reduce_sum``, ``log``, ``rsqrt`` and a value times itself (the
+``mul`` of ``jnp.linalg.norm``) are black, and the ``sub`` and ``div``
+between them follow their (now float32) inputs. Over fewer than
+``min_reduction_size`` features a normalisation's sums are small
+reductions and follow their input, and so does the normalisation (torch
+keeps ``layer_norm`` in float32 at every size).
 
 Custom lists follow Paddle's ``custom_white_list``/``custom_black_list``: they
 are added to the defaults, and naming an op in one list removes it from the

@@ -726,3 +726,20 @@ def test_a_product_keeps_its_own_source_line_and_scope():
   assert got == want == ["proj"]
   (row,) = audit(autocast(f, jnp.bfloat16), x, w).select(category="matmul")
   assert row.source.endswith(".proj)")
+
+
+def test_a_norm_squares_in_float32():
+  """``jnp.linalg.norm`` is ``sqrt(sum(x * x))``: the square, a ``mul`` of a
+  value by itself, followed its float16 input and overflowed (rows of 300
+  over 64 features: inf, and ``y / |y|`` 0), where torch's autocast keeps
+  ``norm`` and ``normalize`` in float32. Oracle: the float32 function."""
+  def fun(w, x):
+    y = x @ w
+    return jnp.linalg.norm(y, axis=-1), y / jnp.linalg.norm(y, axis=-1, keepdims=True)
+  w, x = jnp.eye(64), jnp.full((2, 64), 300.0)
+  (norm, unit), (norm32, unit32) = autocast(fun, jnp.float16)(w, x), fun(w, x)
+  np.testing.assert_allclose(norm, norm32, rtol=1e-3)
+  np.testing.assert_allclose(unit, unit32, rtol=1e-3)
+  squares = [e for e in equations(jax.make_jaxpr(autocast(fun, jnp.float16))(w, x).jaxpr)
+             if e.primitive.name == "mul" and e.invars[0] is e.invars[1]]
+  assert squares and all(v.aval.dtype == jnp.float32 for e in squares for v in e.invars)

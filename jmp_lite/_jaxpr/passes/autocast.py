@@ -162,6 +162,12 @@ def _eval_eqn(eqn, invals, rules):
     return _white(eqn, invals, rules)
   if name in rules.black and _is_large(eqn, rules):
     return _black(eqn, invals)
+  if (name == "mul" and "square" in rules.black and eqn.invars[0] is eqn.invars[1]
+      and isinstance(eqn.invars[0], _internals.core.Var)):
+    # ``x * x`` is a square as ``x ** 2`` is (`jnp.linalg.norm`'s, a variance
+    # written by hand): a bf16/f16 product that overflows where the float32
+    # one does not (torch keeps ``norm`` in float32).
+    return _black(eqn, invals)
   if (name in _LAYOUT and invals and isinstance(invals[0], _Wide)
       and not any(isinstance(x, _Wide) for x in invals[1:])):
     if name == "transpose":
