@@ -227,8 +227,11 @@ def _preset(name: str) -> Optional[Policy]:
         "o1": Policy(f32, f32, f32, autocast_dtype=half),
         # float32 master parameters, half precision compute, float32 output.
         "o2": Policy(f32, half, f32),
-        # Everything in half precision.
-        "o3": Policy(half, half, half),
+        # Parameters and compute in half precision; the output cast to
+        # float32, as Apex (apex/amp/_initialize.py: output_caster, float32
+        # unless cast_model_outputs says otherwise) and MindSpore
+        # (_OutputTo32 around O2 and O3 networks) cast it.
+        "o3": Policy(half, half, f32),
     }[level]
   # Keras' mixed policies: float32 variables, compute and layer outputs in half.
   if name == "mixed_bfloat16":
@@ -266,7 +269,7 @@ def get_policy(policy_name: str | Policy) -> Policy:
     ``O0``              ``p=f32,c=f32,o=f32``                       Apex/MindSpore O0
     ``O1``              ``p=f32,c=f32,o=f32,a=half`` (op autocast)  Apex/MindSpore O1
     ``O2``              ``p=f32,c=half,o=f32``                      Apex/MindSpore O2
-    ``O3``              ``p=half,c=half,o=half``                    Apex/MindSpore O3
+    ``O3``              ``p=half,c=half,o=f32``                     Apex/MindSpore O3
     ``mixed_bfloat16``  ``p=f32,c=bf16,o=bf16``                     Keras
     ``mixed_float16``   ``p=f32,c=f16,o=f16``                       Keras
     ==================  ==========================================  ===================
