@@ -71,8 +71,9 @@ __all__ = ("audit", "AuditReport", "AuditRow", "FLAGS", "HALF_MATMUL",
 MIN_REDUCTION_SIZE = 16
 
 
-# What `jax.make_jaxpr` traces: every other leaf is static.
-_VALUES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
+# What is traced: every other leaf (a function, a flag, a Python number) is
+# static, as `autocast` and `value_and_grad` take it.
+_VALUES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 
 
 def audit(fun: Callable[..., Any], *args,

@@ -254,6 +254,8 @@ def autocast(fun: Callable[..., Any],
   rules = _make_rules(policy_or_dtype, white_list, black_list,
                       min_reduction_size)
 
+  fun_name = getattr(fun, "__name__", "the function")
+
   @functools.wraps(fun)
   def interpreted(*args, **kwargs):
     # Array leaves are traced; other leaves (a Flax module, flags) are passed
@@ -269,7 +271,8 @@ def autocast(fun: Callable[..., Any],
       # Output leaves that are not arrays (an Equinox model's activation
       # functions, flags) are returned as they are, as the arguments' are.
       static_out.clear()
-      static_out.update({i: x for i, x in enumerate(out)
+      static_out.update({i: _engine.static_output(x, f"autocast({fun_name})")
+                         for i, x in enumerate(out)
                          if not isinstance(x, (jax.Array, np.ndarray, np.generic))})
       return [x for i, x in enumerate(out) if i not in static_out]
 

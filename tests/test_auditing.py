@@ -207,10 +207,12 @@ def test_arguments_that_are_not_values_reach_the_function_as_they_are():
   ``autocast`` and ``value_and_grad`` take it. Oracle: the jaxpr of the same
   function with the activation closed over."""
   def fun(layer, x):
-    return layer["act"](x @ layer["w"].astype(jnp.bfloat16))
-  layer = {"w": jnp.ones((4, 3)), "act": jax.nn.relu, "name": "dense"}
+    y = layer["act"](x @ layer["w"].astype(jnp.bfloat16))
+    return y * 0.5 if layer["training"] else y  # a Python flag (eqx's Dropout)
+  layer = {"w": jnp.ones((4, 3)), "act": jax.nn.relu, "name": "dense", "training": False}
   x = jnp.ones((2, 4), jnp.bfloat16)
   report = audit(fun, layer, x)
-  want = audit(lambda w, x: fun({"w": w, "act": jax.nn.relu}, x), layer["w"], x)
+  want = audit(lambda w, x: fun({"w": w, "act": jax.nn.relu, "training": False}, x),
+               layer["w"], x)
   assert report.rows == want.rows
   assert report.count(primitive="dot_general", operand_dtype=jnp.bfloat16) == 1

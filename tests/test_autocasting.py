@@ -743,3 +743,29 @@ def test_a_norm_squares_in_float32():
   squares = [e for e in equations(jax.make_jaxpr(autocast(fun, jnp.float16))(w, x).jaxpr)
              if e.primitive.name == "mul" and e.invars[0] is e.invars[1]]
   assert squares and all(v.aval.dtype == jnp.float32 for e in squares for v in e.invars)
+
+
+def test_numpy_float64_and_int64_arguments_run_eagerly():
+  """The cached eager trace keys its outputs by the arguments' types: NumPy's
+  float64 (and int64 tokens) trace as float32 (int32), and the lookup by the
+  arrays' own dtype raised ``KeyError``. Oracle: the function under
+  ``jax.jit``, which traces them so."""
+  f = lambda w, x, ids: (jnp.tanh(x @ w), ids + 1)
+  g = autocast(f, jnp.bfloat16)
+  w, x, ids = np.ones((4, 3)), np.ones((2, 4)), np.array([[1, 2]])
+  for _ in range(2):
+    got, want = g(w, x, ids), jax.jit(f)(w, x, ids)
+    assert [a.dtype for a in got] == [a.dtype for a in want] == [jnp.float32, jnp.int32]
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-2)
+
+
+def test_an_output_that_is_not_a_pytree_of_arrays_is_refused():
+  """An object holding arrays that is not a pytree came back holding a
+  tracer (``UnexpectedTracerError`` at its first use); ``jax.jit`` refuses
+  it with a TypeError, and so does autocast now."""
+  class Out:
+    def __init__(self, y):
+      self.y = y
+  g = autocast(lambda w, x: Out(jnp.tanh(x @ w)), jnp.bfloat16)
+  with pytest.raises(TypeError, match="Out, which is not a valid JAX type"):
+    g(jnp.ones((4, 3)), jnp.ones((2, 4)))

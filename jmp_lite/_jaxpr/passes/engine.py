@@ -237,10 +237,23 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def static_output(x, where: str):
+  """``x``, an output leaf that is not an array, returned as it is: a function
+  (an Equinox model's activation) or a constant. Anything else could hold a
+  traced value and leak it, and is refused as `jax.jit` refuses it."""
+  if x is None or callable(x) or isinstance(x, (bool, int, float, complex, str, bytes)):
+    return x
+  raise TypeError(
+      f"{where} returned a value of type {type(x).__name__}, which is not a "
+      "valid JAX type: return arrays, pytrees of them, functions and Python "
+      "constants (register a class that holds arrays as a pytree).")
+
+
 def _signature(arrays) -> tuple:
-  """What a jitted function's trace is specialised on, of its array arguments."""
-  return tuple((x.shape, x.dtype, getattr(x, "weak_type", False))
-               for x in arrays)
+  """What a jitted function's trace is specialised on, of its array arguments
+  (NumPy's float64 traces as float32: the dtype the trace sees)."""
+  return tuple((x.shape, jax.dtypes.canonicalize_dtype(x.dtype, allow_extended_dtype=True),
+                getattr(x, "weak_type", False)) for x in arrays)
 
 
 def rewrite(closed, *, strict: bool = False, islands: bool = True,
@@ -292,7 +305,7 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
         if _is_array(x):
           arrays.append(x)
         else:
-          static_out[i] = x
+          static_out[i] = static_output(x, getattr(fun, "__name__", "the function"))
       static_out["tree"] = (out_tree, len(out_leaves))
       return arrays
 
@@ -334,7 +347,8 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
 
       def compiled(*d):
         out, out_tree = jax.tree_util.tree_flatten(run(list(d), skeleton, traced, treedef))
-        static = {i: x for i, x in enumerate(out) if not _is_array(x)}
+        static = {i: static_output(x, getattr(fun, "__name__", "the function"))
+                  for i, x in enumerate(out) if not _is_array(x)}
         statics[_signature(d)] = (out_tree, static)
         return [x for i, x in enumerate(out) if i not in static]
       # Named, so that compilation logs (and tests) can tell it apart.
