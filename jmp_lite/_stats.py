@@ -76,9 +76,12 @@ def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
       # An empty table would read as "nothing to report".
       warnings.warn(
           "Telemetry(mode='modules') found no module to measure: only a model "
-          "under jmp_lite.flax.wrap marks its modules' outputs. For another "
-          "function (Equinox, plain JAX) use Telemetry(mode='ops'), which "
-          "measures every value, grouped by jax.named_scope.", stacklevel=2)
+          "under jmp_lite.flax.wrap marks its modules' outputs, and only where "
+          "it is traced inside the step (a jax.jit of its apply called before, "
+          "outside the step, replays a trace without marks: call the wrapped "
+          "apply itself). For another function (Equinox, plain JAX) use "
+          "Telemetry(mode='ops'), which measures every value, grouped by "
+          "jax.named_scope.", stacklevel=2)
     m = jnp.zeros((0, width), jnp.float32)
   else:
     src, seg = np.concatenate(src), np.concatenate(seg)

@@ -157,9 +157,10 @@ def forward(fun: Any, state: Fp8State) -> Any:
   fp8=state)`` (Linen) and ``wrapped(x, fp8=state)`` (NNX) do this.
 
   Args:
-    fun: the function, e.g. a model's forward pass, taking the parameters
-      first, as the trained function did (in a scanned stack of layers they
-      tell a layer's weight, one state per layer, from a cell's over time).
+    fun: the function, e.g. a model's forward pass. A loop's matmuls run
+      as the state's rows say they were trained (one state per layer of a
+      scanned stack, one for a cell over time), however the parameters
+      reach ``fun``.
     state: the `Fp8State` of training (`jmp_lite.TrainState`'s
       ``loss_scale_state.fp8``, or restored from a checkpoint).
 

@@ -226,3 +226,92 @@ def test_a_fori_loop_over_a_weight_stack_keeps_a_state_per_layer():
   assert got["fori"] == got["scan"] == {"mlp": (3,)}
   assert got["fori rhs"] == got["scan rhs"] == [2.0, 20.0, 200.0]
   assert got["time"] == {"mlp": (), "mlp#2": ()}
+
+
+def test_a_cell_over_time_fed_by_an_embedding_lookup_has_one_state():
+  """``emb[tokens]`` is a lookup of a parameter, not the parameter: counted
+  as one, the sequence scanned over time was taken for a stack of layers,
+  and the state had a row per time step (its shape the sequence's length).
+  Oracle: the README's rule, a cell over time keeps one state."""
+  def loss(params, tokens):
+    x = params["emb"][tokens]
+    def cell(h, xt):
+      with jax.named_scope("cell"):
+        h = jnp.tanh(xt @ params["wx"] + h @ params["wh"])
+      return h, h
+    return jnp.mean(jax.lax.scan(cell, jnp.zeros((tokens.shape[1], 8)), x)[0] ** 2)
+  params = {"emb": jnp.ones((50, 8)) * 0.1, "wx": jnp.eye(8), "wh": jnp.eye(8) * 0.5}
+  shapes = {}
+  for t in (5, 9):
+    state = jmp_lite.fp8.init(loss, params, jnp.zeros((t, 2), jnp.int32), select="cell")
+    shapes[t] = {k: v.rhs.scale.shape for k, v in state.sites.items()}
+  assert shapes[5] == shapes[9] == {"cell": (), "cell#2": ()}
+  jmp_lite.fp8.forward(loss, state)(params, jnp.zeros((5, 2), jnp.int32))
+
+
+def test_inference_runs_the_rows_training_made_with_frozen_weights():
+  """Training knows its parameters by ``argnums``: frozen ``kv`` weights given
+  as another argument are not among them, and their site got one state.
+  Inference on all the variables took them for a stack of layers and
+  refused the state; it now runs each site as the state was trained.
+  Oracle: the forward of the trained function, arguments as in training."""
+  rng = np.random.default_rng(0)
+  x, memory = (jnp.asarray(rng.standard_normal((4, 8)), jnp.float32) for _ in range(2))
+  model = jmp_lite.flax.wrap(CrossStack(), BF16, rules=FP8)
+  params = model.init(jax.random.key(0), x, memory)["params"]
+  frozen = {"layers": {"kv": params["layers"]["kv"]}}
+  train = {"layers": {"q": params["layers"]["q"]}}
+
+  def loss(train, frozen, x, m):
+    p = {"layers": {**train["layers"], **frozen["layers"]}}
+    return jnp.mean(model.apply({"params": p}, x, m) ** 2)
+
+  state = jmp_lite.fp8.init(loss, train, frozen, x, memory)
+  assert {k: v.rhs.scale.shape for k, v in state.sites.items()} == {
+      "layers/kv": (), "layers/q": (3,)}
+  *_, state = jmp_lite.value_and_grad(loss)(train, frozen, x, memory, loss_scale=ONE, fp8=state)
+  out = model.apply({"params": params}, x, memory, fp8=state)
+  # The forward of the trained function, its arguments as in training.
+  want = jmp_lite.fp8.forward(lambda t, f, x, m: model.apply(
+      {"params": {"layers": {**t["layers"], **f["layers"]}}}, x, m), state)(train, frozen, x, memory)
+  np.testing.assert_array_equal(out, want)
+
+
+def test_an_nnx_stack_on_a_loop_invariant_input_keeps_a_state_per_layer():
+  """NNX marks each parameter as it is read (an identity call): the mark hid
+  that the scanned operand was a parameter stack, and the layers' ``kv``
+  shared one state. Oracle: the Linen stack's rows (the test above)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class NnxLayer(nnx.Module):
+    def __init__(self, rngs):
+      self.q = nnx.Linear(8, 8, rngs=rngs)
+      self.kv = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, h, memory):
+      return h + jnp.tanh(self.q(h)) * jnp.tanh(self.kv(memory))
+
+  class NnxStack(nnx.Module):
+    def __init__(self, rngs):
+      @nnx.split_rngs(splits=3)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return NnxLayer(rngs)
+      self.layers = make(rngs)
+
+    def __call__(self, x, memory):
+      @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+      def step(h, layer, memory):
+        return layer(h, memory)
+      return step(x, self.layers, memory)
+
+  rng = np.random.default_rng(0)
+  x, memory = (jnp.asarray(rng.standard_normal((4, 8)), jnp.float32) for _ in range(2))
+  model = jmp_lite.flax.wrap(NnxStack(nnx.Rngs(0)), BF16, rules={nnx.Linear: BF16 + ",fp8=hybrid"})
+  graphdef, state = nnx.split(model)
+  loss = lambda s, x, m: jnp.mean(nnx.merge(graphdef, s)(x, m) ** 2)
+  fp8 = jmp_lite.fp8.init(loss, state, x, memory)
+  assert {k: v.rhs.scale.shape for k, v in fp8.sites.items()} == {
+      "layers/q": (3,), "layers/kv": (3,)}
+  *_, fp8 = jmp_lite.value_and_grad(loss)(state, x, memory, loss_scale=ONE, fp8=fp8)
+  assert model(x, memory, fp8=fp8).shape == x.shape

@@ -43,6 +43,7 @@ a custom rule's body is not what its derivative computes.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -288,10 +289,27 @@ def forward(fun: Callable[..., Any], fp8_state: Any, *args, params: tuple = (0,)
   selection = Fp8Selection(fp8_state.select, fp8_state.recipe, fp8_state.scaling)
   closed, plan, traced, out_tree = _trace(fun, args, kwargs,
                                           Planner(None, (), selection), params=params)
+  _rows_as_trained(sites(plan), fp8_state)
   carrier = _carrier(plan, sites(plan), fp8_state)
   now = jax.tree_util.tree_leaves((args, kwargs))
   outs, _ = interpret(closed.jaxpr, closed.consts, [now[i] for i in traced], carrier, plan)
   return jax.tree_util.tree_unflatten(out_tree["tree"], outs)
+
+
+def _rows_as_trained(slots, fp8_state) -> None:
+  """Each loop's site, one state per iteration or one for the loop, as the
+  state's rows say it was trained. Training knew its parameters (the
+  differentiated arguments); a forward may get them otherwise (closed over,
+  frozen weights among the variables), and must still run the state it has."""
+  for name, point, idx in slots:
+    meta = fp8_state.sites.get(name) if isinstance(fp8_state, _fp8_state.Fp8State) else None
+    rows = idx.shape[:-1]
+    if meta is None or point.state_shape(rows) == meta.lhs.scale.shape:
+      continue
+    for shared in itertools.product((False, True), repeat=len(rows)):
+      if tuple(n for n, one in zip(rows, shared) if not one) == meta.lhs.scale.shape:
+        point.shared = shared
+        break
 
 
 def _carrier(plan: Plan, slots, fp8_state) -> jax.Array:

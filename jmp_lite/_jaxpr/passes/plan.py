@@ -86,6 +86,8 @@ class Plan:
   size: int = 0
   points: dict = dataclasses.field(default_factory=dict)  # eqn -> [(out, Point)]
   nested: dict = dataclasses.field(default_factory=dict)  # eqn -> Nested
+  # Per output of the jaxpr: whether it is a parameter (`Planner.plan`).
+  params_out: tuple = ()
 
 
 class Planner:
@@ -127,6 +129,8 @@ class Planner:
         stored.update(eqn.outvars)
       tapped = _probes.tap_info(eqn)
       if tapped is not None:
+        # A mark returns its operands (NNX's parameters are marked as read).
+        stored.update(o for o, p in zip(eqn.outvars, pins) if p)
         if self.mode == "modules":
           for j, v in enumerate(eqn.outvars):
             path, views, cast_back = tapped
@@ -152,6 +156,11 @@ class Planner:
         # A loop's carry may come to depend on any operand.
         children = [self.plan(r.jaxpr, where, r.flow(ins, any(ins)), r.flow(pins, False))
                     for r in entered]
+        if entered[0].kind in ("call", "checkpoint") and len(entered) == 1:
+          # A call returns a parameter it was given whole (a jitted cast).
+          stored.update(eqn.outvars[o] for o, p in zip(entered[0].outputs,
+                                                       children[0].params_out)
+                        if p and o is not None)
         if any(c.size for c in children):
           kind = entered[0].kind
           length = entered[0].length if kind == "scan" else 1
@@ -166,18 +175,20 @@ class Planner:
         for j, v in enumerate(eqn.outvars):
           if _dtypes.is_floating(v.aval) and v.aval.size:
             self.point(plan, (i, j), _clean(where), v.aval, live=out_live)
+    plan.params_out = tuple(isinstance(v, _internals.core.Var) and v in stored
+                            for v in jaxpr.outvars)
     return plan
 
 
 # Where a scan body's values come from (`_mark_shared`); a layer's: computed
 # from a slice of a stack of parameters.
 _INVARIANT, _CARRIED, _SCANNED, _LAYER = "invariant", "carried", "scanned", "layer"
-# Primitives whose result is their first operand in another layout or dtype,
-# or a part of it: a parameter still (the policy's cast, a stack's slice).
+# Primitives whose result is their first operand whole, in another layout or
+# dtype: a parameter still (the policy's cast). Not a part of it: a lookup
+# (``emb[tokens]``) or a slice (``pos[:T]``) scanned over time is a sequence.
 _LAYOUT = frozenset({
     "convert_element_type", "reshape", "transpose", "squeeze", "expand_dims",
-    "broadcast_in_dim", "copy", "copy_p", "sharding_constraint", "reduce_precision",
-    "slice", "dynamic_slice", "gather", "index_in_dim"})
+    "copy", "copy_p", "sharding_constraint", "reduce_precision", "device_put"})
 # Primitives that read part of their first operand at indices given by the
 # others (``ws[i]`` in a loop body).
 _INDEXING = frozenset({"dynamic_slice", "gather"})
