@@ -293,3 +293,18 @@ def test_options_take_numpy_integers_and_refuse_what_a_scaling_ignores():
       fp8.init(loss, w, x, select=".*", scaling=scaling, algorithm="most_recent")
   with pytest.raises(ValueError, match=r"select='\(' is not a valid regular expression"):
     fp8.init(loss, w, x, select="(")
+
+
+def test_init_takes_shape_dtype_structs_as_its_docstring_says():
+  """``jax.ShapeDtypeStruct`` example arguments were passed to the function
+  as they are (``@`` of a ShapeDtypeStruct raised). Oracle: the state made
+  from concrete arrays."""
+  def loss(p, x):
+    with jax.named_scope("mlp"):
+      return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+  p, x = {"w": jnp.ones((8, 4))}, jnp.ones((2, 8))
+  sds = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+  want = fp8.init(loss, p, x, select="mlp")
+  got = fp8.init(loss, sds(p), sds(x), select="mlp")
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), got) == jax.tree.map(
+      lambda a: (a.shape, a.dtype), want)

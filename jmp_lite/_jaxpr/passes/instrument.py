@@ -199,7 +199,8 @@ def _trace(fun, args, kwargs, planner: Planner, argnums: Optional[tuple] = None,
   arguments that hold parameters, which tell a scanned stack of layers from
   a cell scanned over time (the same in every pass of a state: its shapes).
   """
-  leaves, treedef, traced = _arguments.split(args, kwargs, (*_arguments.ARRAYS, np.generic))
+  leaves, treedef, traced = _arguments.split(
+      args, kwargs, (*_arguments.ARRAYS, np.generic, jax.ShapeDtypeStruct))
   owner = [a for a, arg in enumerate(args) for _ in jax.tree_util.tree_leaves(arg)]
   owner += [None] * (len(leaves) - len(owner))  # keyword arguments
   live = None if argnums is None else [owner[i] in argnums for i in traced]
