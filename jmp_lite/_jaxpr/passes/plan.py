@@ -113,8 +113,8 @@ class Planner:
     """The plan of ``jaxpr``. ``live``: which of its inputs a gradient
     reaches (None: all); a value is live if it is computed from a live one,
     not through ``stop_gradient``. ``params``: which inputs are parameters
-    (None: none known); a value is one if it is a parameter recast,
-    reshaped or sliced (`_mark_shared` reads it)."""
+    (None: none known); a value is one if it is a parameter whole: recast,
+    reshaped, marked or returned by a call (`_mark_shared` reads it)."""
     plan = Plan()
     alive = {v for v, on in zip(jaxpr.invars, live or [True] * len(jaxpr.invars)) if on}
     stored = {v for v, on in zip(jaxpr.invars, params or [False] * len(jaxpr.invars)) if on}
