@@ -12,7 +12,6 @@ BERT: 870 of its 1,560 kernels).
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import jax
@@ -72,16 +71,6 @@ def build(rows, telemetry: telemetry_lib.Telemetry, axis_name=None,
     tops += [float(jnp.finfo(dtype).max) if is_narrow else 1.0] * layers
     n += layers
   if n == 0:
-    if telemetry.mode == "modules":
-      # An empty table would read as "nothing to report".
-      warnings.warn(
-          "Telemetry(mode='modules') found no module to measure: only a model "
-          "under jmp_lite.flax.wrap marks its modules' outputs, and only where "
-          "it is traced inside the step (a jax.jit of its apply called before, "
-          "outside the step, replays a trace without marks: call the wrapped "
-          "apply itself). For another function (Equinox, plain JAX) use "
-          "Telemetry(mode='ops'), which measures every value, grouped by "
-          "jax.named_scope.", stacklevel=2)
     m = jnp.zeros((0, width), jnp.float32)
   else:
     src, seg = np.concatenate(src), np.concatenate(seg)

@@ -44,6 +44,7 @@ a custom rule's body is not what its derivative computes.
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -57,6 +58,7 @@ from jmp_lite._jaxpr import fp8_sites as _fp8_sites
 from jmp_lite._jaxpr import internals as _internals
 from jmp_lite._jaxpr.passes.plan import decode, forward_slots, sites
 from jmp_lite._jaxpr.passes.plan import Fp8Selection, Nested, Plan, Planner
+from jmp_lite._jaxpr.passes import unseen as _unseen
 from jmp_lite._jaxpr import probes as _probes
 from jmp_lite._jaxpr import traverse as _traverse
 from jmp_lite import _replicas
@@ -247,6 +249,17 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
     nums = tuple(a % len(args) for a in argnums)  # -1: the last argument
     closed, plan, traced, out_tree = _trace(fun, args, kwargs,
                                             Planner(mode, what_if, fp8), nums, nums)
+    if mode == "modules" and not _unseen.count(closed.jaxpr, "", None, lambda *_: "")[1]:
+      # No mark anywhere, reached or not (`_unseen` warns of those it cannot
+      # reach): an empty table would read as "nothing to report".
+      warnings.warn(
+          "Telemetry(mode='modules') found no module to measure: only a model "
+          "under jmp_lite.flax.wrap marks its modules' outputs, and only where "
+          "it is traced inside the step (a jax.jit of its apply called before, "
+          "outside the step, replays a trace without marks: call the wrapped "
+          "apply itself). For another function (Equinox, plain JAX) use "
+          "Telemetry(mode='ops'), which measures every value, grouped by "
+          "jax.named_scope.", stacklevel=3)
     slots = sites(plan)
 
     def probed(carrier, *args, **kwargs):
