@@ -262,26 +262,20 @@ def autocast(fun: Callable[..., Any],
     # as they are.
     leaves, in_tree, traced = _arguments.split(args, kwargs)
     flat = [leaves[i] for i in traced]
-    out_trees, static_out = [], {}
+    split = {}
 
     def flat_fun(*flat_args):
       a, k = _arguments.refill(leaves, traced, in_tree, flat_args)
-      out, out_tree = jax.tree_util.tree_flatten(fun(*a, **k))
-      out_trees.append(out_tree)
       # Output leaves that are not arrays (an Equinox model's activation
       # functions, flags) are returned as they are, as the arguments' are.
-      static_out.clear()
-      static_out.update({i: _engine.static_output(x, f"autocast({fun_name})")
-                         for i, x in enumerate(out)
-                         if not isinstance(x, (jax.Array, np.ndarray, np.generic))})
-      return [x for i, x in enumerate(out) if i not in static_out]
+      arrays, split["static"], split["tree"] = _arguments.outputs(
+          fun(*a, **k), f"autocast({fun_name})")
+      return arrays
 
     closed = jax.make_jaxpr(flat_fun)(*flat)
     outs = _autocast.eval_jaxpr(closed.jaxpr, closed.consts, flat, rules)
-    outs = iter(_autocast.cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals))
-    n = out_trees[-1].num_leaves
-    return jax.tree_util.tree_unflatten(
-        out_trees[-1], [static_out[i] if i in static_out else next(outs) for i in range(n)])
+    outs = [_autocast.cast_to_aval(x, a) for x, a in zip(outs, closed.out_avals)]
+    return _arguments.rejoin(split["tree"], split["static"], outs)
 
   # The engine traces the interpreted function once per argument structure
   # and gives every matmul the interpreter leaves narrow (custom rules,

@@ -232,23 +232,6 @@ def _freeze(x):
   return x
 
 
-def _is_array(x) -> bool:
-  """Whether an output leaf is a value a jitted function can return."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def static_output(x, where: str):
-  """``x``, an output leaf that is not an array, returned as it is: a function
-  (an Equinox model's activation) or a constant. Anything else could hold a
-  traced value and leak it, and is refused as `jax.jit` refuses it."""
-  if x is None or callable(x) or isinstance(x, (bool, int, float, complex, str, bytes)):
-    return x
-  raise TypeError(
-      f"{where} returned a value of type {type(x).__name__}, which is not a "
-      "valid JAX type: return arrays, pytrees of them, functions and Python "
-      "constants (register a class that holds arrays as a pytree).")
-
-
 def _signature(arrays) -> tuple:
   """What a jitted function's trace is specialised on, of its array arguments
   (NumPy's float64 traces as float32: the dtype the trace sees)."""
@@ -290,33 +273,25 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
   eagerly (no fusion across its operations).
   """
   jitted: dict[Any, tuple[Callable[..., Any], dict]] = {}
+  name = getattr(fun, "__name__", "the function")
 
   def run(dynamic, leaves, traced, treedef):
     def flat_fun(*dynamic):
       a, k = _arguments.refill(leaves, traced, treedef, dynamic)
       return fun(*a, **k)
 
-    static_out = {}
+    split = {}
 
     def split_out(*dynamic):
-      out_leaves, out_tree = jax.tree_util.tree_flatten(flat_fun(*dynamic))
-      arrays = []
-      for i, x in enumerate(out_leaves):
-        if _is_array(x):
-          arrays.append(x)
-        else:
-          static_out[i] = static_output(x, getattr(fun, "__name__", "the function"))
-      static_out["tree"] = (out_tree, len(out_leaves))
+      arrays, split["static"], split["tree"] = _arguments.outputs(flat_fun(*dynamic), name)
       return arrays
 
     closed = rewrite(jax.make_jaxpr(split_out)(*dynamic), strict=strict,
                      islands=islands, reduce_dtype=reduce_dtype, sink=sink)
     # Evaluated eagerly (``cache=False``), a constant output is a literal.
-    arrays = iter(map(_internals.as_output, jex.core.jaxpr_as_fun(closed)(*dynamic),
-                      closed.out_avals))
-    out_tree, n = static_out.pop("tree")
-    out = [static_out[i] if i in static_out else next(arrays) for i in range(n)]
-    return jax.tree_util.tree_unflatten(out_tree, out)
+    arrays = map(_internals.as_output, jex.core.jaxpr_as_fun(closed)(*dynamic),
+                 closed.out_avals)
+    return _arguments.rejoin(split["tree"], split["static"], arrays)
 
   @functools.wraps(fun)
   def rewritten(*args, **kwargs):
@@ -346,18 +321,16 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
       statics = {}
 
       def compiled(*d):
-        out, out_tree = jax.tree_util.tree_flatten(run(list(d), skeleton, traced, treedef))
-        static = {i: static_output(x, getattr(fun, "__name__", "the function"))
-                  for i, x in enumerate(out) if not _is_array(x)}
+        arrays, static, out_tree = _arguments.outputs(
+            run(list(d), skeleton, traced, treedef), name)
         statics[_signature(d)] = (out_tree, static)
-        return [x for i, x in enumerate(out) if i not in static]
+        return arrays
       # Named, so that compilation logs (and tests) can tell it apart.
       compiled.__name__ = compiled.__qualname__ = ENGINE_JIT_NAME
       jitted[key] = (jax.jit(compiled), statics)
     call, statics = jitted[key]
-    arrays = iter(call(*dynamic))
+    arrays = call(*dynamic)
     out_tree, static = statics[_signature(dynamic)]
-    return jax.tree_util.tree_unflatten(out_tree, [
-        static[i] if i in static else next(arrays) for i in range(out_tree.num_leaves)])
+    return _arguments.rejoin(out_tree, static, arrays)
 
   return rewritten
