@@ -280,7 +280,7 @@ def test_inference_runs_the_rows_training_made_with_frozen_weights():
 def test_an_nnx_stack_on_a_loop_invariant_input_keeps_a_state_per_layer():
   """NNX marks each parameter as it is read (an identity call): the mark hid
   that the scanned operand was a parameter stack, and the layers' ``kv``
-  shared one state. Oracle: the Linen stack's rows (the test above)."""
+  shared one state. Oracle: each layer's kernel maximum, by NumPy."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   class NnxLayer(nnx.Module):
@@ -314,4 +314,9 @@ def test_an_nnx_stack_on_a_loop_invariant_input_keeps_a_state_per_layer():
   assert {k: v.rhs.scale.shape for k, v in fp8.sites.items()} == {
       "layers/q": (3,), "layers/kv": (3,)}
   *_, fp8 = jmp_lite.value_and_grad(loss)(state, x, memory, loss_scale=ONE, fp8=fp8)
+  kernels, = [np.asarray(v, np.float32) for k, v in jax.tree_util.tree_leaves_with_path(state)
+              if "['layers']['kv']['kernel']" in jax.tree_util.keystr(k)]
+  want = [np.abs(k.astype(jnp.bfloat16).astype(np.float32)).max() for k in kernels]
+  assert len(set(want)) == 3  # the layers' own maxima, not the widest one's
+  np.testing.assert_array_equal(fp8.sites["layers/kv"].rhs.amax_history[:, 0], want)
   assert model(x, memory, fp8=fp8).shape == x.shape
