@@ -249,9 +249,13 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
     nums = tuple(a % len(args) for a in argnums)  # -1: the last argument
     closed, plan, traced, out_tree = _trace(fun, args, kwargs,
                                             Planner(mode, what_if, fp8), nums, nums)
-    if mode == "modules" and not _unseen.count(closed.jaxpr, "", None, lambda *_: "")[1]:
+    probes = [(p.path, p.dtype, idx) for p, idx in decode(np.arange(plan.size), plan)
+              if p.recipe is None]
+    if (mode == "modules" and not probes
+        and not _unseen.count(closed.jaxpr, "", None, lambda *_: "")[1]):
       # No mark anywhere, reached or not (`_unseen` warns of those it cannot
-      # reach): an empty table would read as "nothing to report".
+      # reach): an empty table would read as "nothing to report". (The walk
+      # runs only when the plan found no probe.)
       warnings.warn(
           "Telemetry(mode='modules') found no module to measure: only a model "
           "under jmp_lite.flax.wrap marks its modules' outputs, and only where "
@@ -276,8 +280,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: tuple[int, ...], *,
             carrier, *args, **kwargs)
     both = jnp.where(forward_slots(plan)[0], measured, grads[0])
     # Each probe's slots in `both`, read in one gather (`jmp_lite._stats`).
-    rows = (both, [(p.path, p.dtype, idx) for p, idx in decode(np.arange(plan.size), plan)
-                   if p.recipe is None])
+    rows = (both, probes)
     # A site with one state for a loop's iterations: its largest maxima.
     amax = {name: jnp.max(both[idx][..., :_fp8_sites.ROLES], axis=p.shared_axes())
             for name, p, idx in slots}
