@@ -133,15 +133,24 @@ def norm_and_factor(grads: Any, loss_scale: jax.Array, clip_norm) -> NormInfo:
     zero = jnp.zeros((), dtype)
     return NormInfo(finite, zero, unscale, unscale, _normal_pair(unscale, dtype))
   k = _downscale(dtype)
-  # 1/scale is subnormal for scales above 2**126: unscale in two steps. The
-  # downscaled pair is computed from the scale. An earlier form squared
-  # ``g * 2**-82`` written as a literal, and XLA's algebraic simplifier made
-  # it ``g * g * (c * c)``, where ``c * c`` is 0. With a scale that is a
-  # compile-time constant (`NoOpLossScale`) the pair is constant too; XLA:CPU
-  # keeps ``(g * c) * (g * c)`` then (tests/test_optax.py, huge gradients
-  # under NoOpLossScale, holds it to that).
-  inv = _normal_pair(unscale, dtype)
-  inv_down = _normal_pair(Factor(unscale.mantissa, unscale.exponent - k), dtype)
+
+  def pairs(unscale):
+    """The unscale factor as two pairs of normal numbers. Fenced
+    (`_reduce.fenced`): XLA would copy their scalar ops into every per-array
+    computation that reads them (three kernels more at 24 arrays, each about
+    10-20 ms of XLA:CPU compile time).
+
+    1/scale is subnormal for scales above 2**126: unscale in two steps. The
+    downscaled pair is computed from the scale. An earlier form squared
+    ``g * 2**-82`` written as a literal, and XLA's algebraic simplifier made
+    it ``g * g * (c * c)``, where ``c * c`` is 0. With a scale that is a
+    compile-time constant (`NoOpLossScale`) the pair is constant too; XLA:CPU
+    keeps ``(g * c) * (g * c)`` then (tests/test_optax.py, huge gradients
+    under NoOpLossScale, holds it to that)."""
+    return (_normal_pair(unscale, dtype),
+            _normal_pair(Factor(unscale.mantissa, unscale.exponent - k), dtype))
+
+  inv, inv_down = _reduce.fenced(pairs, unscale)
   # One reduction per distinct shape (`_reduce`), not one per leaf.
   fast = _reduce.partials(leaves, lambda g: _abs2(g, dtype, inv), lax.add, _reduce.total)
   down = _reduce.partials(leaves, lambda g: _abs2(g, dtype, inv_down), lax.add,
