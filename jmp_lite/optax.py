@@ -142,7 +142,9 @@ def with_loss_scale(
     loss_scale: the initial loss scale (`jmp_lite.DynamicLossScale` to adapt).
     clip_norm: if set, clip the unscaled gradients to this global norm, with
       the norm computed in the same pass as the finiteness check. Correct for
-      any finite norm, including norms beyond float32's range.
+      any finite norm, including norms beyond float32's range; elements below
+      2**-63 (about 1e-19) add nothing to it, as in optax, their float32
+      squares being flushed to zero.
     accumulate_steps: number of micro-batches whose gradients are summed
       (averaged) into one step. Updates are zero on the other calls. An
       overflow in any micro-batch skips the whole accumulated step; on the

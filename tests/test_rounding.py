@@ -96,6 +96,73 @@ def test_kahan_tracks_a_long_sum_of_tiny_updates_where_naive_stalls(jit, dtype):
     np.testing.assert_array_equal(np.asarray(naive["w"], np.float32), 1.0)
 
 
+def _kahan_10k(tx, steps=10_000, tiny=1e-4):
+  """``steps`` updates of ``tiny`` onto a bfloat16 1.0 (``sgd(1.0)`` of
+  ``-tiny`` where ``tx`` has an optimizer first): (params, state)."""
+  params = {"w": jnp.ones((4,), jnp.bfloat16)}
+  grads = {"w": jnp.full((4,), np.float32(tiny))}
+
+  def body(_, carry):
+    params, state = carry
+    updates, state = tx.update(grads, state, params)
+    return _apply(params, updates), state
+
+  return jax.jit(lambda p, s: jax.lax.fori_loop(0, steps, body, (p, s)))(
+      params, tx.init(params))
+
+
+def _comp(state):
+  return next(s for s in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, jo.KahanState))
+              if isinstance(s, jo.KahanState)).compensation["w"]
+
+
+# The exact sum, in float64: 1 + 10,000 float32(1e-4) = 1.99999997..., whose
+# nearest bfloat16 is 2.0.
+_EXACT_10K = 1.0 + 10_000 * float(np.float32(1e-4))
+
+
+def test_kahan_float32_compensation_follows_the_float32_sum_over_10k_steps():
+  """Found by a user: the docstring promised the float32 sum for the default
+  (bfloat16) compensation, which drifts 4 ulps over this run; a float32
+  compensation holds it, as now documented."""
+  params, state = _kahan_10k(jo.kahan_summation(jnp.float32))
+  assert _comp(state).dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(params["w"], np.float64), 2.0)
+  total = np.asarray(params["w"], np.float64) + np.asarray(_comp(state), np.float64)
+  np.testing.assert_allclose(total, _EXACT_10K, rtol=0, atol=1e-5)
+
+
+def test_kahan_default_compensation_drifts_as_documented_and_within_its_bound():
+  """bfloat16 compensation: each step may lose 2**-9 of the parameter's ulp
+  (2**-6 here), so at most n / 512 ulps after n steps; the docstring's run
+  ends at 2.03125."""
+  params, state = _kahan_10k(jo.kahan_summation())
+  assert _comp(state).dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(params["w"], np.float64), 2.03125)
+  total = np.asarray(params["w"], np.float64) + np.asarray(_comp(state), np.float64)
+  assert np.all(np.abs(total - _EXACT_10K) <= 10_000 / 512 * 2.0 ** -6)
+
+
+def test_with_state_dtype_keeps_the_compensation_dtype_kahan_was_given():
+  """Found by a user: ``with_state_dtype(..., bfloat16)`` stored a
+  ``kahan_summation(jnp.float32)`` compensation inside it in bfloat16, and the
+  run drifted as the default's does."""
+  tx = jo.with_state_dtype(
+      optax.chain(optax.sgd(-1.0), jo.kahan_summation(jnp.float32)), jnp.bfloat16)
+  assert _comp(tx.init({"w": jnp.ones((4,), jnp.bfloat16)})).dtype == jnp.float32
+  params, state = _kahan_10k(tx)
+  assert _comp(state).dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(params["w"], np.float64), 2.0)
+  # The moments-like state around it is still stored in bfloat16: the
+  # default compensation inside takes the parameter's dtype, as outside.
+  tx = jo.with_state_dtype(optax.chain(optax.trace(0.0), jo.kahan_summation()),
+                           jnp.float16)
+  state = tx.init({"w": jnp.ones((4,), jnp.bfloat16)})
+  assert state[0].trace["w"].dtype == jnp.float16
+  assert _comp(state).dtype == jnp.bfloat16
+
+
 def test_stochastic_round_tracks_the_same_long_sum_on_average():
   n, steps, tiny = 4096, 500, np.float32(1e-4)
   params = {"w": jnp.ones((n,), jnp.bfloat16)}
