@@ -55,9 +55,18 @@ def partials(items, elementwise: Callable, combine: Callable, reduce: Callable,
   by_shape: dict[tuple, list] = {}
   for item in items:
     by_shape.setdefault(tuple(shape_of(item)), []).append(item)
-  groups = [group[i:i + GROUP] for group in by_shape.values()
-            for i in range(0, len(group), GROUP)]
+  groups = [part for group in by_shape.values() for part in _balanced(group)]
   return [reduce(functools.reduce(combine, map(elementwise, group))) for group in groups]
+
+
+def _balanced(group: list) -> list:
+  """``group`` in the fewest parts of at most `GROUP`, their sizes differing
+  by at most one: parts of one size compile to one kernel (12 arrays as 6 + 6
+  are one, as 8 + 4 two)."""
+  parts = -(-len(group) // GROUP)
+  size, extra = divmod(len(group), parts)
+  bounds = np.cumsum([0] + [size + (i < extra) for i in range(parts)])
+  return [group[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _reduce(items, elementwise: Callable, combine: Callable, reduce: Callable, empty,
