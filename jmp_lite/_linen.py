@@ -198,7 +198,8 @@ class _LinenInterceptor:
     root = None if module.scope is None else module.scope.root
     if self.scope_root is None and not self.paths:
       self.scope_root = root  # the outermost module's
-    if self.paths and module.name and root is not None and root is not self.scope_root:
+    if (self.paths and module.name and root is not None and root is not self.scope_root
+        and not self._lifted_full_path(module)):
       # A scope of its own: a module applied on its own inside the model (a
       # tied head's ``lm_head.apply``) is its caller's child, and so is each
       # module a lifted function (``nn.cond``, ``nn.scan`` of a function) makes;
@@ -208,6 +209,17 @@ class _LinenInterceptor:
         return self.paths[-1]
       return "/".join(p for p in (self.paths[-1], module.name) if p)
     return path_str(self.prefix + tuple(module.path[len(self.root):]))
+
+  def _lifted_full_path(self, module) -> bool:
+    """Whether ``module`` runs in a lifted scope (``nn.scan``, ``nn.vmap``,
+    ``nn.remat``) that keeps its place in the model: Flax gives such a scope
+    the whole path of the variables it holds. ``nn.RNN(cell)`` scans a cell
+    made by its caller, whose variables are the caller's (``SimpleCell_0``,
+    not ``RNN_0/SimpleCell_0``): named by the call stack, a rule for the
+    cell's path matched no module and its matmuls stayed in the model's
+    policy."""
+    path = tuple(module.path)
+    return len(path) > len(self.root) and path[:len(self.root)] == tuple(self.root)
 
   def _run_module(self, next_fun, args, kwargs, context, module, path, policy,
                   caller):

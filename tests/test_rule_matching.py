@@ -198,3 +198,41 @@ def test_a_rule_reaches_a_module_a_lifted_function_makes(kind):
     closed = jax.make_jaxpr(lambda p: model.apply({"params": p}, x))(params)
   dots = [e for e in equations(closed.jaxpr) if "dot" in e.primitive.name]
   assert dots and {str(v.aval.dtype) for e in dots for v in e.invars} == {"float32"}
+
+
+class _Recurrent(nn.Module):
+  """``nn.RNN`` over a cell made here, as Flax's docs write it: the cell's
+  variables are this module's child (``SimpleCell_0``), and ``nn.RNN``
+  scans it in a lifted scope of its own."""
+  cell: str
+
+  @nn.compact
+  def __call__(self, x):
+    cell = (nn.SimpleCell(8) if self.cell == "simple" else nn.LSTMCell(8))
+    return nn.Dense(2)(nn.RNN(cell)(x)[:, -1])
+
+
+@pytest.mark.parametrize("cell", ["simple", "lstm"])
+def test_a_rule_for_an_rnn_cells_parameter_path_reaches_its_matmuls(cell):
+  """The cell was named by the call stack (``RNN_0/SimpleCell_0``), not where
+  its variables are: a rule for its parameter path matched nothing, said
+  nothing (the variables' path exists) and left its matmuls in bf16. Oracle:
+  Flax's parameter paths and the matmuls' dtypes in the jaxpr."""
+  x = jnp.ones((2, 5, 4))
+  params = _Recurrent(cell).init(jax.random.key(0), x)["params"]
+  name = "SimpleCell_0" if cell == "simple" else "LSTMCell_0"
+  assert set(params) == {name, "Dense_0"}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jflax.UnmatchedRuleWarning)
+    model = jflax.wrap(_Recurrent(cell), "p=f32,c=bf16,o=f32",
+                       rules={f"{name}(/.*)?": "p=f32,c=f32,o=f32"})
+    listed = jflax.policy_map(model, x)
+    closed = jax.make_jaxpr(lambda p: model.apply({"params": p}, x))(params)
+  inner = {f"{name}/{k}" for k in params[name]}
+  assert inner <= set(listed)
+  assert all(str(listed[p]) == "p=f32,c=f32,o=f32" for p in inner)
+  dots = [e for e in equations(closed.jaxpr) if "dot" in e.primitive.name]
+  kinds = sorted(tuple(str(v.aval.dtype) for v in e.invars) for e in dots)
+  # The cell's matmuls (inside the scan) in float32, the head's in bf16.
+  assert kinds.count(("bfloat16", "bfloat16")) == 1
+  assert kinds.count(("float32", "float32")) == len(dots) - 1 >= 2
