@@ -233,9 +233,11 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState:
   # `nnx.Optimizer` holds each array of its optax state in a Variable
   # (`OptArray`, a pytree node): read as the arrays an optax state holds, so
   # that ``.skipped`` is a flag `jmp_lite.select_tree` and `lax.cond` take.
+  # A Variable holding None (the moment of an integer Param, which the inner
+  # optimizer sees as None) has no leaves and stays as it is.
   wrapped = lambda x: hasattr(x, "__jax_array__") and not isinstance(x, jax.Array)
-  return jax.tree.map(lambda x: jnp.asarray(x) if wrapped(x) else x, found[0],
-                      is_leaf=wrapped)
+  return jax.tree.map(lambda x: jnp.asarray(x) if wrapped(x) and jax.tree.leaves(x) else x,
+                      found[0], is_leaf=wrapped)
 
 
 def _warn_if_chained_after(opt_state: Any) -> None:

@@ -283,9 +283,16 @@ def _num(x: float) -> str:
 
 
 def _pct(x: Optional[float]) -> str:
+  """A fraction as a percentage of two significant digits: ``"1e+02%"`` was
+  what ``:.2g`` made of 100, and a share short of all never reads as all."""
   if x is None:
     return "-"
-  return "0%" if x == 0 else f"{100 * x:.2g}%"
+  p = 100 * float(x)
+  if p in (0, 100):
+    return f"{p:.0f}%"
+  if p >= 99.5:
+    return ">99%"
+  return f"{p:.2g}%" if p < 10 else f"{p:.0f}%"
 
 
 def _rows(stats: PrecisionStats) -> list[dict]:

@@ -636,6 +636,35 @@ def test_nnx_optimizer_guard_keeps_everything_on_a_skipped_step():
   assert_trees_bitwise_equal(inner(now), inner(kept))
 
 
+def test_nnx_optimizer_state_of_a_model_with_an_integer_param_finds_its_loss_scale():
+  """Found by a user: with an integer ``nnx.Param`` (a step counter),
+  ``get_loss_scale(opt.opt_state)`` raised "None is not a valid value for
+  jnp.array": the inner optimizer's moment for the int leaf is None, which
+  ``nnx.Optimizer`` keeps in a Variable. Oracle: the same parameters as a
+  pure dict."""
+  import optax
+  import jmp_lite.optax
+
+  class Counted(nnx.Module):
+    def __init__(self, rngs):
+      self.l = nnx.Linear(4, 2, rngs=rngs)
+      self.count = nnx.Param(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+      return self.l(x)
+
+  model = jmp_lite.flax.wrap(Counted(nnx.Rngs(0)), "p=f32,c=f16,o=f32")
+  tx = jmp_lite.optax.with_loss_scale(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0 ** 10))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  pure = tx.init(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  for opt_state in (opt.opt_state, tx.init(nnx.state(model, nnx.Param))):
+    got = jmp_lite.optax.find_loss_scale_state(opt_state)
+    want = jmp_lite.optax.find_loss_scale_state(pure)
+    assert_trees_bitwise_equal(got.loss_scale, want.loss_scale)
+    assert isinstance(got.skipped, jax.Array) and not bool(got.skipped)
+    assert float(jmp_lite.optax.get_loss_scale(opt_state).loss_scale) == 1024.0
+
+
 def test_wrap_refuses_a_wrapped_model_and_names_a_non_module_briefly():
   """``wrap(wrap(m))`` was accepted (two wrappers, the inner one's rules
   winning); ``wrap(nnx.state(m))`` printed every array of the state."""

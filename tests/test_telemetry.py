@@ -771,3 +771,12 @@ def test_modules_mode_on_a_function_without_modules_says_so():
   stats = jmp_lite.value_and_grad(loss, telemetry=jmp_lite.Telemetry(mode="ops"))(w)[3]
   rows = {k: float(m.forward_max) for k, m in stats.modules.items() if "layer" in k}
   assert list(rows.values()) == [48.0]  # x @ w (8 each) and its sum, in one scope
+
+
+def test_table_percentages_read_as_percentages():
+  """Found by a user: a column where every value underflows printed
+  ``1e+02%``. A share short of all must not read as all."""
+  from jmp_lite.telemetry import _pct
+  cases = {None: "-", 0.0: "0%", 1.0: "100%", 0.999: ">99%", 0.994: "99%",
+           0.5: "50%", 0.123: "12%", 0.0123: "1.2%", 1e-5: "0.001%"}
+  assert {x: _pct(x) for x in cases} == cases
