@@ -129,7 +129,9 @@ class StepInfo(NamedTuple):
   the statistics of healthy micro-batches of a skipped step stay.
   """
 
-  loss: jax.Array  # unscaled
+  # unscaled; with ``axis_name``, averaged over it (every replica the same,
+  # as the other fields are), ``aux`` being each replica's own
+  loss: jax.Array
   aux: Any
   skipped: jax.Array  # bool: this call completed a step, and skipped it
   loss_scale: jax.Array  # the scale this step's loss was scaled with
@@ -355,7 +357,7 @@ class TrainState(flax.struct.PyTreeNode):
     info = new.loss_scale_state
     # A call that only accumulated (mini_step counts on) skipped nothing.
     skipped = info.skipped & (info.mini_step == 0)
-    return new, StepInfo(loss=loss, aux=aux, skipped=skipped,
+    return new, StepInfo(loss=measured["value"], aux=aux, skipped=skipped,
                          loss_scale=used_scale, grad_norm=info.grad_norm,
                          nonfinite=info.nonfinite, precision=stats,
                          stalled=info.stalled, dropped=info.skipped)

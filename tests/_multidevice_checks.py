@@ -835,6 +835,29 @@ def test_train_state_under_shard_map_one_poisoned_replica_skips_everywhere():
   assert np.asarray(skipped).all()
 
 
+def test_train_state_under_shard_map_reports_the_mean_loss_on_every_replica():
+  """Found by a user: ``info.loss`` was each replica's own (varying), so a
+  step returning ``info`` with ``out_specs=P()`` failed to trace, where every
+  other field is replicated. Oracle: the mean of the replicas' losses,
+  computed here from the per-device batches, and the one-device loss."""
+  mesh = _mesh((8,), ("data",))
+  state = jmp_lite.TrainState.create(
+      apply_fn=None, params={"w": jnp.ones((D_IN, 2))}, tx=optax.sgd(0.1),
+      loss_scale=jmp_lite.DynamicLossScale(2.0 ** 4), axis_name="data")
+  x = jnp.arange(BATCH * D_IN, dtype=jnp.float32).reshape(BATCH, D_IN) / (BATCH * D_IN)
+  loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2)
+
+  def step(state, x):
+    return state.minimize(loss, x)[1]
+
+  info = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
+                               out_specs=P()))(
+      state, jax.device_put(x, NamedSharding(mesh, P("data"))))
+  per_device = [float(loss(state.params, part)) for part in np.split(np.asarray(x), 8)]
+  np.testing.assert_allclose(float(info.loss), np.mean(per_device), rtol=1e-6)
+  np.testing.assert_allclose(float(info.loss), float(loss(state.params, x)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("auto", [True, False], ids=["auto", "explicit"])
 def test_flax_wrap_under_jit_sharded_batch_matches_one_device(auto):
   # wrap's float32-accumulating weight-gradient dots contract the sharded
