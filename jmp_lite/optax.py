@@ -56,6 +56,7 @@ import optax
 
 from jmp_lite import _checks
 from jmp_lite import _guard_state
+from jmp_lite import _keyed
 from jmp_lite._guard_state import LossScaleState
 from jmp_lite._guard_state import NonFinite
 from jmp_lite._guard_state import find_loss_scale_state
@@ -249,6 +250,10 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     raise TypeError(
         f"with_loss_scale: fp8 must be a jmp_lite.fp8.Fp8State (from "
         f"jmp_lite.fp8.init), got {type(fp8).__name__}")
+  # What the transformation is made from: two made alike compare equal
+  # (`_keyed`), so that TrainStates created alike have one structure.
+  key = (inner, clip_norm, accumulate_steps, axis_name, check_results, max_stalled_steps,
+         _keyed.value_key(loss_scale), _keyed.value_key(fp8))
   inner = optax.with_extra_args_support(inner)
   k = int(accumulate_steps)
 
@@ -414,4 +419,5 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
     return jax.lax.cond(state.mini_step >= k - 1, emit, wait)
 
   jitted_update = jax.jit(traced_update)
-  return optax.GradientTransformationExtraArgs(init, update)
+  return optax.GradientTransformationExtraArgs(_keyed.keyed(init, ("init",) + key),
+                                               _keyed.keyed(update, ("update",) + key))

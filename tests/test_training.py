@@ -473,3 +473,38 @@ def test_parameters_a_models_own_rules_store_in_bf16_train():
   loss = lambda p: jnp.mean(model.apply({"params": p}, t))
   state, _ = jax.jit(lambda s: s.minimize(loss))(state)
   assert state.params["Embed_0"]["embedding"].dtype == jnp.bfloat16
+
+
+def test_states_created_alike_have_one_structure_and_one_compilation():
+  """Found by a user: two ``TrainState.create`` calls with the same optimizer
+  object and equal arguments gave different tree structures (the wrapped
+  ``tx`` was a new pair of closures each time), so a jitted step compiled
+  again for the second, where Flax's own ``TrainState`` compiles once.
+  Oracle: Flax's ``TrainState`` given the same ``tx``; and states created
+  differently must still differ (each ``tx.init`` makes its own loss scale)."""
+  from flax.training import train_state as flax_train_state
+
+  tx = optax.sgd(0.1)
+  params = {"w": jnp.ones((3, 2))}
+
+  def make(scale=2.0 ** 15, **kwargs):
+    return jmp_lite.TrainState.create(
+        apply_fn=None, params=params, tx=kwargs.pop("tx", tx), policy="p=f32,c=bf16,o=f32",
+        loss_scale=jmp_lite.DynamicLossScale(scale), clip_norm=1.0, **kwargs)
+
+  flax_a, flax_b = (flax_train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+                    for _ in range(2))
+  assert jax.tree.structure(flax_a) == jax.tree.structure(flax_b)
+  a, b = make(), make()
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  step = jax.jit(lambda s, x: s.minimize(lambda p, x: jnp.sum(x.astype(p["w"].dtype) @ p["w"]), x)[0])
+  x = jnp.ones((4, 3))
+  with count_compilations() as compiled:
+    step(a, x)
+    step(b, x)
+  assert len(compiled) == 1
+  for other in (make(2.0 ** 10), make(tx=optax.sgd(0.1)), make(accumulate_steps=2),
+                jax.eval_shape(make)):
+    assert jax.tree.structure(other) != jax.tree.structure(a)
+  # Each transformation still makes its own initial state.
+  assert float(make(2.0 ** 10).tx.init(params).loss_scale.loss_scale) == 2.0 ** 10
