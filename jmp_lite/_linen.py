@@ -149,7 +149,9 @@ class _LinenInterceptor:
         return next_fun(*args, **kwargs)
       with _internals.interceptors_restored(outside):
         return next_fun(*args, **kwargs)
-    if self.stack and self.stack[-1] is None:
+    if self.stack and self.stack[-1] is None or _internals.in_setup_check(module):
+      # Under a nested wrapper, or Flax's abstract setup check (not a call
+      # of the model: it named a module where no variables are).
       return next_fun(*args, **kwargs)
     if context.method_name == "setup":
       return self._setup(next_fun, args, kwargs, module)

@@ -236,3 +236,23 @@ def test_a_rule_for_an_rnn_cells_parameter_path_reaches_its_matmuls(cell):
   # The cell's matmuls (inside the scan) in float32, the head's in bf16.
   assert kinds.count(("bfloat16", "bfloat16")) == 1
   assert kinds.count(("float32", "float32")) == len(dots) - 1 >= 2
+
+
+def test_policy_map_of_an_rnn_lists_no_module_where_no_variables_are():
+  """Flax checks the cell's ``setup`` abstractly (``_validate_setup``, a
+  clone bound to a ``TestScope``); the wrapper named that call
+  ``RNN_0/SimpleCell_0``, so ``policy_map`` listed a module with no
+  variables there and a rule for it reached nothing without a warning.
+  Oracle: Flax's parameter paths."""
+  x = jnp.ones((2, 5, 4))
+  params = _Recurrent("simple").init(jax.random.key(0), x)["params"]
+  model = jflax.wrap(_Recurrent("simple"), "p=f32,c=bf16,o=f32")
+  listed = set(jflax.policy_map(model, x))
+  # Every module holding variables, and those above them.
+  modules = {"/".join(str(k.key) for k in path[:i])
+             for path, _ in jax.tree_util.tree_leaves_with_path(params)
+             for i in range(1, len(path))}
+  assert listed == modules | {"", "RNN_0"}
+  with pytest.warns(jflax.UnmatchedRuleWarning, match="RNN_0/SimpleCell_0"):
+    jflax.wrap(_Recurrent("simple"), "p=f32,c=bf16,o=f32",
+               rules={"RNN_0/SimpleCell_0": "f32"}).init(jax.random.key(0), x)

@@ -56,6 +56,7 @@ from jmp_lite._jaxpr.internals.private import nested_code
 from jmp_lite._jaxpr.internals.private import OWN_ATTRIBUTE
 from jmp_lite._jaxpr.internals.private import scope_init_args
 from jmp_lite._jaxpr.internals.private import scope_swapped
+from jmp_lite._jaxpr.internals.private import in_setup_check
 from jmp_lite._jaxpr.internals.private import interceptors_inside
 from jmp_lite._jaxpr.internals.private import interceptors_restored
 from jmp_lite._jaxpr.internals.private import set_attributes

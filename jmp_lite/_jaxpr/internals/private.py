@@ -28,6 +28,17 @@ def shallow_clone(module, **overrides):
   return module.clone(_deep_clone=False, **overrides)
 
 
+def in_setup_check(module) -> bool:
+  """Whether ``module`` runs in Flax's abstract check of a submodule's
+  ``setup`` (``Module._validate_setup``: an identity method on a clone bound
+  to a ``TestScope``, evaluated with `jax.eval_shape`), not in the model.
+  ``nn.RNN`` runs it on its cell. Relies on that scope's class being
+  ``flax.linen.module.TestScope`` (flax/linen/module.py)."""
+  from flax.linen import module as linen_module  # pylint: disable=g-import-not-at-top
+  scope = module.scope
+  return scope is not None and isinstance(scope.root, linen_module.TestScope)
+
+
 @contextlib.contextmanager
 def scope_swapped(module, scope):
   """``module`` bound to ``scope`` for the duration (a Linen module's
