@@ -9,13 +9,14 @@ and shardings taken from one state did not fit the other. Flax's own
 ``TrainState`` given the same ``tx`` object compares equal.
 
 `keyed` gives a function an equality by what it was made from. `value_key`
-makes that comparable from arrays: their dtypes, shapes and bytes, when they
-are concrete. A traced array (a state created inside ``jax.eval_shape`` or
+makes that comparable from arrays: their dtypes, shapes and a digest of
+their bytes, when they are concrete. A traced array (a state created inside ``jax.eval_shape`` or
 ``jit``) has no value to compare, and its function equals no other.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Hashable
 
 import jax
@@ -58,7 +59,7 @@ def keyed(fn: Callable, key: Hashable) -> Callable:
 def value_key(tree: Any) -> Hashable:
   """A hashable key equal for trees of equal structure and values.
 
-  Arrays count by dtype, shape and bytes; other leaves (Python numbers,
+  Arrays count by dtype, shape and a 128-bit digest of their bytes; other leaves (Python numbers,
   strings, None) as they are. A tree holding a tracer gets a key of its own:
   equal to nothing else.
   """
@@ -72,7 +73,10 @@ def value_key(tree: Any) -> Hashable:
       if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         leaf = jax.random.key_data(leaf)
       array = np.asarray(leaf)
-      parts.append((str(array.dtype), array.shape, array.tobytes()))
+      # A digest, not the bytes: jit compares the keys of equal functions on
+      # every call, and an fp8 state holds megabytes of histories.
+      digest = hashlib.blake2b(array.tobytes(), digest_size=16).digest()
+      parts.append((str(array.dtype), array.shape, digest))
     else:
       try:
         hash(leaf)

@@ -219,9 +219,11 @@ class _LinenInterceptor:
     made by its caller, whose variables are the caller's (``SimpleCell_0``,
     not ``RNN_0/SimpleCell_0``): named by the call stack, a rule for the
     cell's path matched no module and its matmuls stayed in the model's
-    policy."""
-    path = tuple(module.path)
-    return len(path) > len(self.root) and path[:len(self.root)] == tuple(self.root)
+    policy. A module applied on its own (a tied head's ``.apply``) has a
+    root of path () instead, its modules' paths relative to it."""
+    path, base = tuple(module.path), tuple(module.scope.root.path)
+    return (bool(base) and path[:len(base)] == base
+            and len(path) > len(self.root) and path[:len(self.root)] == tuple(self.root))
 
   def _run_module(self, next_fun, args, kwargs, context, module, path, policy,
                   caller):

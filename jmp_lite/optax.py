@@ -252,7 +252,9 @@ def _with_loss_scale(inner, loss_scale, *, clip_norm, accumulate_steps, axis_nam
         f"jmp_lite.fp8.init), got {type(fp8).__name__}")
   # What the transformation is made from: two made alike compare equal
   # (`_keyed`), so that TrainStates created alike have one structure.
-  key = (inner, clip_norm, accumulate_steps, axis_name, check_results, max_stalled_steps,
+  # (``type(inner)``: optax's GradientTransformation and ...ExtraArgs of the
+  # same functions compare equal, and differ in what reaches the update.)
+  key = (type(inner), inner, clip_norm, accumulate_steps, axis_name, check_results, max_stalled_steps,
          _keyed.value_key(loss_scale), _keyed.value_key(fp8))
   inner = optax.with_extra_args_support(inner)
   k = int(accumulate_steps)

@@ -231,8 +231,8 @@ def kahan_summation(dtype: Optional[DTypeLike] = None) -> optax.GradientTransfor
     (bfloat16) or 2**-12 (float16) of the parameter's ulp. Updates that vary
     from step to step, as gradients do, average these losses out; a long run
     of the same update far below the ulp adds them up: the 10,000 updates
-    above end at ``2.03125``, 4 bfloat16 ulps high (at most ``n / 512`` ulps
-    after ``n`` steps).
+    above end at ``2.03125``, 2 bfloat16 ulps above ``2.0`` (at most
+    ``n / 512`` ulps, of the largest value reached, after ``n`` steps).
 
   The compensation keeps the dtype chosen here inside `with_state_dtype`,
   which stores the other state in its own dtype.

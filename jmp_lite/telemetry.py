@@ -288,8 +288,10 @@ def _pct(x: Optional[float]) -> str:
   if x is None:
     return "-"
   p = 100 * float(x)
-  if p in (0, 100):
-    return f"{p:.0f}%"
+  if p == 0:
+    return "0%"  # -0.0 too
+  if p == 100:
+    return "100%"
   if p >= 99.5:
     return ">99%"
   return f"{p:.2g}%" if p < 10 else f"{p:.0f}%"

@@ -256,3 +256,36 @@ def test_policy_map_of_an_rnn_lists_no_module_where_no_variables_are():
   with pytest.warns(jflax.UnmatchedRuleWarning, match="RNN_0/SimpleCell_0"):
     jflax.wrap(_Recurrent("simple"), "p=f32,c=bf16,o=f32",
                rules={"RNN_0/SimpleCell_0": "f32"}).init(jax.random.key(0), x)
+
+
+class _Head(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return nn.Dense(3)(h)
+
+
+class _AppliedHead(nn.Module):
+  """A module applied on its own inside the model (a tied head's pattern):
+  its scope's root has path (), its modules' paths are relative to it."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(5)(x)
+    hp = self.param("head_params", lambda k: _Head().init(k, jnp.ones((1, 5)))["params"])
+    return _Head(parent=None).apply({"params": hp}, h)
+
+
+def test_a_module_applied_on_its_own_keeps_its_callers_prefix():
+  """The lifted-scope naming (an RNN cell by its variables' path) took the
+  head's Dense for the model's own ``Dense_0``, merging their rows, and a
+  rule for ``_Head_0/Dense_0`` warned that it matched nothing (found in
+  review). Oracle: the path the call stack gives, as before."""
+  x = jnp.ones((2, 4))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jflax.UnmatchedRuleWarning)
+    model = jflax.wrap(_AppliedHead(), "p=f32,c=bf16,o=f32",
+                       rules={"_Head_0/Dense_0": "p=f32,c=f32,o=f32"})
+    listed = jflax.policy_map(model, x)
+  assert set(listed) == {"", "Dense_0", "_Head_0", "_Head_0/Dense_0"}
+  assert str(listed["_Head_0/Dense_0"]) == "p=f32,c=f32,o=f32"
+  assert str(listed["Dense_0"]) == "p=f32,c=bf16,o=f32"

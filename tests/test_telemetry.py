@@ -780,3 +780,4 @@ def test_table_percentages_read_as_percentages():
   cases = {None: "-", 0.0: "0%", 1.0: "100%", 0.999: ">99%", 0.994: "99%",
            0.5: "50%", 0.123: "12%", 0.0123: "1.2%", 1e-5: "0.001%"}
   assert {x: _pct(x) for x in cases} == cases
+  assert _pct(-0.0) == "0%"

@@ -508,3 +508,25 @@ def test_states_created_alike_have_one_structure_and_one_compilation():
     assert jax.tree.structure(other) != jax.tree.structure(a)
   # Each transformation still makes its own initial state.
   assert float(make(2.0 ** 10).tx.init(params).loss_scale.loss_scale) == 2.0 ** 10
+
+
+def test_transformations_of_the_two_optax_kinds_of_the_same_functions_differ():
+  """optax's GradientTransformation and GradientTransformationExtraArgs of the
+  same functions compare equal as tuples, but only the second is given the
+  update's extra arguments: wrapped alike they compared equal, and a jitted
+  update of one ran the other's trace (found in review)."""
+  def init(params):
+    return optax.EmptyState()
+
+  def update(updates, state, params=None, scale=1.0):
+    return jax.tree.map(lambda u: -scale * u, updates), state
+
+  plain = optax.GradientTransformation(init, update)
+  extra = optax.GradientTransformationExtraArgs(init, update)
+  a, b = (jmp_lite.optax.with_loss_scale(t, jmp_lite.NoOpLossScale()) for t in (plain, extra))
+  assert a.update != b.update
+  params = {"w": jnp.ones(2)}
+  grads = {"w": jnp.ones(2)}
+  jax.jit(a.update)(grads, a.init(params), params, scale=3.0)
+  got, _ = jax.jit(b.update)(grads, b.init(params), params, scale=3.0)
+  np.testing.assert_array_equal(got["w"], [-3.0, -3.0])
