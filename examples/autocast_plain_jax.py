@@ -152,8 +152,9 @@ def train(name, value_and_grad, data, args):
   loss.block_until_ready()
   compile_time = time.perf_counter() - start
   start = time.perf_counter()
-  bar = tqdm(range(args.steps - 1), desc=f"{name:>9}", disable=args.no_progress,
-             dynamic_ncols=True)
+  # The first step (compiling) ran above: the bar counts every step.
+  bar = tqdm(range(1, args.steps), desc=f"{name:>9}", disable=args.no_progress,
+             dynamic_ncols=True, initial=1, total=args.steps)
   for i in bar:
     idx = rng.integers(0, len(x_train), args.batch_size)
     params, opt_state, loss = step(params, opt_state, x_train[idx],

@@ -216,7 +216,8 @@ def train(args) -> dict:
   mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,))
   replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   hardware = jmp_lite.hardware.describe()
-  say(hardware.advice())
+  if args.mode == "cluster":  # elsewhere the estimate before training said it
+    say(hardware.advice())
   say(f"\nlayout: {n_proc} process{'es' * (n_proc > 1)} × "
       f"{jax.local_device_count()} {jax.default_backend().upper()} devices = "
       f"{devices} devices ({MODES[args.mode]}); mesh {dict(mesh.shape)}; global batch "

@@ -2,7 +2,7 @@
 
 Whether bfloat16 makes a step faster depends on the hardware more than on the
 model: a CPU with bfloat16 dot-product instructions (x86 ``avx512_bf16`` or
-AMX) runs a bf16 × bf16 → f32 matmul 1.3–1.9× faster than float32, while an
+AMX) runs a bf16 × bf16 → f32 matmul 1.3–2.0× faster than float32, while an
 AVX2-only CPU converts the operands and runs it in float32, 1.4–1.8× *slower*.
 On such a CPU mixed precision still halves the bytes of activations and
 parameters, but not the time. GPUs and TPUs have 16-bit matrix units; float16
