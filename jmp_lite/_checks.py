@@ -295,7 +295,7 @@ def is_concrete(tree: Any, numbers: bool = True) -> bool:
   the inner optimizer as they are, so they do not go through ``jax.jit``.
   """
   kinds = (jax.Array, np.ndarray, np.generic) + ((int, float, complex) if numbers else ())
-  return all(isinstance(x, kinds) and not isinstance(x, jax.core.Tracer)
+  return all(isinstance(x, kinds) and not _internals.is_tracer(x)
              for x in jax.tree.leaves(tree))
 
 

@@ -59,20 +59,22 @@ def keyed(fn: Callable, key: Hashable) -> Callable:
 def value_key(tree: Any) -> Hashable:
   """A hashable key equal for trees of equal structure and values.
 
-  Arrays count by dtype, shape and a 128-bit digest of their bytes; other leaves (Python numbers,
-  strings, None) as they are. A tree holding a tracer gets a key of its own:
+  Arrays count by dtype, shape and a 128-bit digest of their bytes; other
+  leaves (Python numbers, strings, None) as they are. A tree holding a tracer gets a key of its own:
   equal to nothing else.
   """
   leaves, treedef = jax.tree.flatten(tree)
   parts = []
   for leaf in leaves:
-    if isinstance(leaf, jax.core.Tracer) or (
-        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable):
-      return object()  # no value here to compare (traced, or on other hosts)
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-      if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        leaf = jax.random.key_data(leaf)
-      array = np.asarray(leaf)
+      try:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+          return object()  # no value here to compare (on other hosts)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+          leaf = jax.random.key_data(leaf)
+        array = np.asarray(leaf)
+      except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return object()  # traced: no value to compare
       # A digest, not the bytes: jit compares the keys of equal functions on
       # every call, and an fp8 state holds megabytes of histories.
       digest = hashlib.blake2b(array.tobytes(), digest_size=16).digest()

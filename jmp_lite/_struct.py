@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._jaxpr import internals as _internals
+
 T = TypeVar("T")
 
 
@@ -141,7 +143,7 @@ def as_scalar(value: Any, dtype, name: str, *, warn_non_floating: bool = False):
   shape = np.shape(value)
   if shape != ():
     raise ValueError(f"{name} must be a scalar, got shape {shape}: {value!r}")
-  if isinstance(value, jax.core.Tracer):
+  if _internals.is_tracer(value):
     return value.astype(dtype), None
   host = np.asarray(value)
   if jnp.issubdtype(dtype, jnp.integer):

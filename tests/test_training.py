@@ -503,8 +503,9 @@ def test_states_created_alike_have_one_structure_and_one_compilation():
     step(a, x)
     step(b, x)
   assert len(compiled) == 1
+  # Made from traced values (inside eval_shape or jit): equal to no other.
   for other in (make(2.0 ** 10), make(tx=optax.sgd(0.1)), make(accumulate_steps=2),
-                jax.eval_shape(make)):
+                jax.eval_shape(make), jax.jit(make)()):
     assert jax.tree.structure(other) != jax.tree.structure(a)
   # Each transformation still makes its own initial state.
   assert float(make(2.0 ** 10).tx.init(params).loss_scale.loss_scale) == 2.0 ** 10

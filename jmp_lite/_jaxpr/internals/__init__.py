@@ -22,6 +22,7 @@ private API named above. Callers import this package, not its modules.
 from jmp_lite._jaxpr.internals.jaxprs import all_primitives
 from jmp_lite._jaxpr.internals.jaxprs import as_output
 from jmp_lite._jaxpr.internals.jaxprs import bind
+from jmp_lite._jaxpr.internals.jaxprs import is_tracer
 from jmp_lite._jaxpr.internals.jaxprs import BWD_FUN
 from jmp_lite._jaxpr.internals.jaxprs import closed
 from jmp_lite._jaxpr.internals.jaxprs import constvars_to_invars
@@ -87,6 +88,8 @@ __all__ = (
     "explicit_sharding",
     "FWD_THUNK",
     "higher_order_primitives",
+    "in_setup_check",
+    "is_tracer",
     "invars_to_constvars",
     "is_wrapped_fun",
     "JVP_THUNK",

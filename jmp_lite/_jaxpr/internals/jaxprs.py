@@ -29,6 +29,12 @@ DropVar = getattr(jex.core, "DropVar", None) or jax.core.DropVar
 # keeps every input and output type swaps equations without re-tracing.
 
 
+def is_tracer(x) -> bool:
+  """Whether ``x`` is a value being traced, not a concrete one. Relies on
+  `jax.core.Tracer` being the class of every traced value (jax/core.py)."""
+  return isinstance(x, jax.core.Tracer)
+
+
 def replace_eqn(eqn, primitive, params):
   return eqn.replace(primitive=primitive, params=params)
 

@@ -302,7 +302,7 @@ def accumulate(fun: Callable[..., Any], *, strict: bool = False,
     # parameters, called on concrete inputs inside a telemetry step. So must
     # a per-module loss scale's conversions, which read the step's scales.
     if (not cache or _probes.tapping_active() or _module_scales.is_active()
-        or any(isinstance(x, jax.core.Tracer) for x in dynamic)):
+        or any(_internals.is_tracer(x) for x in dynamic)):
       return run(dynamic, leaves, traced, treedef)
     static = tuple(None if i in traced else _freeze(x)
                    for i, x in enumerate(leaves))
