@@ -296,8 +296,15 @@ def test_jit_guard_on_sharded_gradients_reduces_with_all_reduce_only():
     assert text.count("all-gather(") == 0, re.findall(r".*all-gather\(.*", text)[:3]
     assert ("optimization_barrier" in lowered.as_text()) == copied, shape
     assert not bool(jo.find_loss_scale_state(new_state).skipped)
+    # The norm is a float32 sum of up to 786,432 squares, which 8 devices add
+    # in another order than one: they differ by its rounding (2e-5 relative
+    # seen at JAX 0.9.2, about sqrt(n) float32 epsilons). Everything else is
+    # held to 1e-6.
+    norm = lambda t: jo.find_loss_scale_state(t[1]).grad_norm
+    np.testing.assert_allclose(norm((new_params, new_state)), norm(one_device), rtol=1e-4)
+    same_norm = lambda t: (t[0], jo.find_loss_scale_state(t[1])._replace(grad_norm=0.0))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-                 (new_params, new_state), one_device)
+                 same_norm((new_params, new_state)), same_norm(one_device))
 
 
 # ----------------------------------------------------------------- shard_map
